@@ -1,0 +1,177 @@
+"""Loading a TOML file into the typed schema, with errors that name the key path and what was expected."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from .schema import Config
+from .units import parse_duration, parse_size
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; `path` names the offending key (e.g. "pool.capacity")."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read, parse and validate a configuration file."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("", f"configuration file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("", f"{path} is not valid TOML: {e}") from None
+    return from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def from_dict(raw: dict[str, Any], base_dir: str = ".") -> Config:
+    cfg = _build(Config, raw, "")
+    cfg.base_dir = os.path.abspath(base_dir)
+    validate(cfg)
+    return cfg
+
+
+def resolve_path(cfg: Config, value: str) -> str:
+    """An absolute path: relative ones resolve against the directory of the configuration file."""
+    return os.path.normpath(os.path.join(cfg.base_dir, os.path.expanduser(value)))
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix, f"expected a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"[{prefix}]" if prefix else "the top level"
+        known = ", ".join(sorted(fields))
+        raise ConfigError(_join(prefix, unknown[0]), f"unknown key in {where}; known keys: {known}")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _convert(hints[name], value, _join(prefix, name))
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    origin = get_origin(hint)
+    if origin is typing.Annotated:
+        base, marker = get_args(hint)[0], get_args(hint)[1]
+        try:
+            if marker == "size":
+                return parse_size(value)
+            if marker == "duration":
+                return parse_duration(value)
+            if marker == "mode":
+                return _parse_mode(value)
+        except ValueError as e:
+            raise ConfigError(path, str(e)) from None
+        return _convert(base, value, path)
+    if origin is Literal:
+        choices = get_args(hint)
+        if value not in choices:
+            raise ConfigError(path, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin is list:
+        (item,) = get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(path, f"expected a list, got {value!r}")
+        return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(path, "internal: unions are not supported in the schema")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(path, f"internal: unsupported schema type {hint!r}")
+
+
+def _parse_mode(value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            mode = int(value, 8)
+        except ValueError:
+            raise ValueError(f"expected an octal mode such as \"0660\", got {value!r}") from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    else:
+        raise ValueError(f"expected an octal mode such as \"0660\", got {value!r}")
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"mode must be between 0000 and 0777, got {value!r}")
+    return mode
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _positive(cfg: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(_join(prefix, name), f"must be greater than 0, got {getattr(cfg, name)!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that span keys, or bounds that the types alone do not express."""
+    s = cfg.server
+    if not s.socket:
+        raise ConfigError("server.socket", "must name the path of the Unix socket")
+    _positive(s, "server", "max_connections", "max_frame", "max_keys_per_request")
+    _positive(s, "server", "max_inflight_per_connection", "max_prefetch_handles_per_connection")
+    _positive(s, "server", "handshake_timeout", "request_timeout")
+    if s.max_frame < 4096:
+        raise ConfigError("server.max_frame", "must be at least 4KiB")
+    for i, uid in enumerate(s.allowed_uids):
+        if uid < 0:
+            raise ConfigError(f"server.allowed_uids[{i}]", "a uid cannot be negative")
+    p = cfg.pool
+    _positive(p, "pool", "capacity", "slab_size")
+    if p.slab_size % 4096:
+        raise ConfigError("pool.slab_size", "must be a multiple of 4KiB")
+    if p.capacity < p.slab_size:
+        raise ConfigError("pool.capacity", f"must hold at least one slab ({p.slab_size} bytes, pool.slab_size)")
+    if not 0.0 <= p.writeback_low_watermark < 1.0:
+        raise ConfigError("pool.writeback_low_watermark", "must be between 0 and 1")
+    st = cfg.storage
+    _positive(st, "storage", "backup_concurrency", "backup_batch_pages", "backup_queue_pages")
+    _positive(st, "storage", "prefetch_concurrency", "prefetch_batch_pages", "prefetch_queue_pages")
+    _positive(st, "storage", "operation_timeout")
+    _positive(st.retry, "storage.retry", "attempts", "max")
+    if not 0.0 <= st.retry.jitter <= 1.0:
+        raise ConfigError("storage.retry.jitter", "must be between 0 and 1")
+    _positive(st.file, "storage.file", "io_threads")
+    if st.backend == "file" and not st.file.root:
+        raise ConfigError("storage.file.root", "must name a directory when storage.backend = \"file\"")
+    r = st.redis
+    _positive(r, "storage.redis", "max_connections", "socket_timeout", "connect_timeout")
+    if st.backend == "redis" and not r.url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("storage.redis.url", f"expected redis://, rediss:// or unix://, got {r.url!r}")
+    s3 = st.s3
+    _positive(s3, "storage.s3", "max_connections", "connect_timeout", "read_timeout", "max_attempts")
+    if st.backend == "s3" and not s3.bucket:
+        raise ConfigError("storage.s3.bucket", "must name a bucket when storage.backend = \"s3\"")
+    _positive(cfg.shutdown, "shutdown", "flush_timeout")

@@ -1,0 +1,143 @@
+"""The configuration schema: every section, key, default and bound of hicached, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from .units import GiB, MiB
+
+# Markers read by the loader: a Size is written "4GiB" (or bytes), a Duration "500ms" (or seconds),
+# a Mode an octal string such as "0660".
+Size = Annotated[int, "size"]
+Duration = Annotated[float, "duration"]
+Mode = Annotated[int, "mode"]
+Path = Annotated[str, "path"]
+
+Backend = Literal["none", "file", "redis", "s3"]
+WritePolicy = Literal["write_through", "write_back"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+@dataclass
+class ServerConfig:
+    socket: Path = "run/hicached.sock"
+    socket_mode: Mode = 0o660
+    # Empty: the daemon's own uid and root. Peers are admitted when their uid OR gid is listed.
+    allowed_uids: list[int] = field(default_factory=list)
+    allowed_gids: list[int] = field(default_factory=list)
+    max_connections: int = 1024
+    max_frame: Size = 8 * MiB
+    max_keys_per_request: int = 65536
+    max_inflight_per_connection: int = 64
+    max_prefetch_handles_per_connection: int = 4096
+    handshake_timeout: Duration = 5.0
+    # Upper bound on how long the daemon waits on anything for one request (L3 reads in a load).
+    request_timeout: Duration = 30.0
+
+
+@dataclass
+class PoolConfig:
+    capacity: Size = 1 * GiB
+    # Unit of memory handed to a size class; also the largest page the pool accepts.
+    slab_size: Size = 32 * MiB
+    prefault: bool = True
+    # Write-back: when fewer than this fraction of slots are free or evictable, dirty pages are written out.
+    writeback_low_watermark: float = 0.10
+
+
+@dataclass
+class RetryConfig:
+    attempts: int = 5
+    base: Duration = 0.05
+    max: Duration = 5.0
+    jitter: float = 0.2
+
+
+@dataclass
+class PrefetchConfig:
+    policy: PrefetchPolicy = "timeout"
+    timeout_base: Duration = 0.05
+    timeout_per_page: Duration = 0.002
+
+
+@dataclass
+class FileConfig:
+    root: Path = "data"
+    io_threads: int = 8
+    fsync: bool = False
+
+
+@dataclass
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    prefix: str = "hicached"
+    username: str = ""
+    password: str = ""
+    # Read the password from this environment variable when set (keeps secrets out of the TOML).
+    password_env: str = ""
+    ttl: Duration = 0.0
+    max_connections: int = 32
+    socket_timeout: Duration = 5.0
+    connect_timeout: Duration = 2.0
+    ssl_ca_certs: str = ""
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
+
+
+@dataclass
+class S3Config:
+    bucket: str = "hicached"
+    prefix: str = "kv"
+    endpoint_url: str = ""
+    region: str = ""
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    checksum: Literal["when_supported", "when_required"] = "when_required"
+    max_connections: int = 32
+    connect_timeout: Duration = 2.0
+    read_timeout: Duration = 10.0
+    max_attempts: int = 3
+
+
+@dataclass
+class StorageConfig:
+    backend: Backend = "file"
+    write_policy: WritePolicy = "write_through"
+    # Concurrent backend calls per direction, and pages per call.
+    backup_concurrency: int = 4
+    backup_batch_pages: int = 16
+    backup_queue_pages: int = 65536
+    prefetch_concurrency: int = 8
+    prefetch_batch_pages: int = 16
+    prefetch_queue_pages: int = 65536
+    operation_timeout: Duration = 10.0
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    file: FileConfig = field(default_factory=FileConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    s3: S3Config = field(default_factory=S3Config)
+
+
+@dataclass
+class LoggingConfig:
+    level: LogLevel = "info"
+
+
+@dataclass
+class ShutdownConfig:
+    # Bound on the final flush of pages not yet in L3 and on answering requests in flight.
+    flush_timeout: Duration = 60.0
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+    # Directory of the file the configuration came from; relative paths resolve against it.
+    base_dir: str = field(default=".", metadata={"internal": True})

@@ -1,0 +1,103 @@
+"""The interface every L3 backend implements, its errors, and the counters it keeps.
+
+Connectors move page payloads between the pool's memory and a store. They write the page header
+(connectors.header) in front of every payload and verify it on every read: a read that does not verify is
+a miss, is counted, and the object is removed. Failures of the store itself (unreachable, timed out) raise
+BackendUnavailable for the whole call; the caller counts it and treats the pages as misses.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+log = logging.getLogger("hicached.connectors")
+
+PROBE_NAMESPACE = "_hicached_probe"
+
+
+class BackendError(Exception):
+    """Base of the errors a connector raises for a whole call. `code` is the daemon's stable error code."""
+
+    code = "backend_unavailable"
+
+    def __init__(self, backend: str, message: str, reason: str = "error") -> None:
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"{backend}: {message}")
+
+
+class BackendUnavailable(BackendError):
+    """The store cannot be reached or did not answer in time. Transient: retried with backoff."""
+
+
+class BackendMisconfigured(BackendError):
+    """The store answered, but refuses us (credentials, permissions, missing bucket). Not a miss."""
+
+    code = "backend_misconfigured"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    shared: bool  # other nodes can see what this node writes
+    persistent: bool  # survives a restart of the store
+    ttl: bool  # objects can expire by themselves
+
+
+class Connector(abc.ABC):
+    """An L3 backend. All methods are coroutines on the daemon's event loop and must never block it."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self) -> None:
+        # Counted by reason: "corrupt.checksum", "errors.timeout", ... Read by `stats`.
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    async def start(self) -> None:
+        """Open clients, create directories. Raises BackendError if the store is not usable."""
+
+    @abc.abstractmethod
+    async def put(self, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]) -> list[bool]:
+        """Stores each payload under its key with a header; True per page written."""
+
+    @abc.abstractmethod
+    async def get_into(self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Reads each page's payload into its buffer (of exactly the payload length); True per page that
+        was present and verified. A corrupt or short object is a miss, is counted and is removed."""
+
+    @abc.abstractmethod
+    async def exists(self, namespace: str, keys: Sequence[str]) -> int:
+        """How many leading keys are present; the first absent key ends the answer."""
+
+    @abc.abstractmethod
+    async def delete(self, namespace: str, keys: Sequence[str]) -> int:
+        """Removes the keys; returns how many existed."""
+
+    async def close(self) -> None:
+        """Release clients and threads. Idempotent."""
+
+    async def probe(self, timeout: float = 10.0) -> None:
+        """Write, read back and delete a probe object; raises BackendError if any step fails."""
+        payload = memoryview(b"hicached-probe-" + bytes(range(256)))
+        key = "probe"
+        async with asyncio.timeout(timeout):
+            try:
+                if not (await self.put(PROBE_NAMESPACE, [key], [payload]))[0]:
+                    raise BackendUnavailable(self.name, "probe write failed", "probe")
+                back = memoryview(bytearray(len(payload)))
+                if not (await self.get_into(PROBE_NAMESPACE, [key], [back]))[0] or back != payload:
+                    raise BackendUnavailable(self.name, "probe read did not return what was written", "probe")
+                await self.delete(PROBE_NAMESPACE, [key])
+            except TimeoutError:
+                raise BackendUnavailable(self.name, f"probe did not finish within {timeout}s", "timeout") from None
+
+    def corrupt(self, namespace: str, key: str, reason: str, detail: str) -> None:
+        """Count and log one corrupt object (the caller removes it)."""
+        self.counters[f"corrupt.{reason}"] += 1
+        log.warning("%s: page %s/%s is corrupt (%s); treated as a miss and removed", self.name, namespace, key, detail)

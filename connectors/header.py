@@ -1,0 +1,61 @@
+"""The page header stored in front of every L3 object: format version, payload length, checksum, key tag.
+
+Pure functions over bytes. A page whose header or checksum does not verify is a miss: corrupt KV is never
+handed to an engine. The key tag binds an object to its namespace and key, so an object copied or renamed
+under another key is caught as well.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+MAGIC = b"HKVP"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHQQQ")  # magic, version, header length, payload length, xxh3-64, key tag
+HEADER_SIZE = _HEADER.size  # 32 bytes
+
+
+class CorruptPage(ValueError):
+    """An object that is not a valid page for the key it was read under; `reason` is a short stable word."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+def key_tag(namespace: str, key: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{namespace}/{key}".encode())
+
+
+def checksum(payload: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode(namespace: str, key: str, payload: memoryview | bytes) -> bytes:
+    """The header for `payload` stored under (namespace, key)."""
+    return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, len(payload), checksum(payload), key_tag(namespace, key))
+
+
+def parse(header: memoryview | bytes, namespace: str, key: str, expected_len: int) -> int:
+    """Checks a header for (namespace, key) and a payload of `expected_len`; returns the stored checksum."""
+    if len(header) < HEADER_SIZE:
+        raise CorruptPage("short", f"header of {len(header)} bytes, expected {HEADER_SIZE}")
+    magic, version, header_len, payload_len, digest, tag = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise CorruptPage("magic", "not a hicached page (bad magic)")
+    if version != VERSION or header_len != HEADER_SIZE:
+        raise CorruptPage("version", f"unsupported page format version {version}")
+    if payload_len != expected_len:
+        raise CorruptPage("length", f"payload of {payload_len} bytes, expected {expected_len}")
+    if tag != key_tag(namespace, key):
+        raise CorruptPage("key", "object belongs to another key or namespace")
+    return digest
+
+
+def verify(header: memoryview | bytes, namespace: str, key: str, payload: memoryview | bytes) -> None:
+    """Raises CorruptPage unless `header` + `payload` form a valid page for (namespace, key)."""
+    digest = parse(header, namespace, key, len(payload))
+    if checksum(payload) != digest:
+        raise CorruptPage("checksum", "payload checksum does not match the header")
