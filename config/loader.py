@@ -115,11 +115,11 @@ def _parse_mode(value: Any) -> int:
         try:
             mode = int(value, 8)
         except ValueError:
-            raise ValueError(f"expected an octal mode such as \"0660\", got {value!r}") from None
+            raise ValueError(f'expected an octal mode such as "0660", got {value!r}') from None
     elif isinstance(value, int) and not isinstance(value, bool):
         mode = value
     else:
-        raise ValueError(f"expected an octal mode such as \"0660\", got {value!r}")
+        raise ValueError(f'expected an octal mode such as "0660", got {value!r}')
     if not 0 <= mode <= 0o777:
         raise ValueError(f"mode must be between 0000 and 0777, got {value!r}")
     return mode
@@ -153,9 +153,13 @@ def validate(cfg: Config) -> None:
     if p.slab_size % 4096:
         raise ConfigError("pool.slab_size", "must be a multiple of 4KiB")
     if p.capacity < p.slab_size:
-        raise ConfigError("pool.capacity", f"must hold at least one slab ({p.slab_size} bytes, pool.slab_size)")
+        raise ConfigError(
+            "pool.capacity", f"must hold at least one slab ({p.slab_size} bytes, pool.slab_size)"
+        )
     if not 0.0 <= p.writeback_low_watermark < 1.0:
         raise ConfigError("pool.writeback_low_watermark", "must be between 0 and 1")
+    if not 0.0 <= p.max_pinned_fraction <= 1.0:
+        raise ConfigError("pool.max_pinned_fraction", "must be between 0 and 1")
     st = cfg.storage
     _positive(st, "storage", "backup_concurrency", "backup_batch_pages", "backup_queue_pages")
     _positive(st, "storage", "prefetch_concurrency", "prefetch_batch_pages", "prefetch_queue_pages")
@@ -165,7 +169,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("storage.retry.jitter", "must be between 0 and 1")
     _positive(st.file, "storage.file", "io_threads")
     if st.backend == "file" and not st.file.root:
-        raise ConfigError("storage.file.root", "must name a directory when storage.backend = \"file\"")
+        raise ConfigError("storage.file.root", 'must name a directory when storage.backend = "file"')
     r = st.redis
     _positive(r, "storage.redis", "max_connections", "socket_timeout", "connect_timeout")
     if st.backend == "redis" and not r.url.startswith(("redis://", "rediss://", "unix://")):
@@ -173,5 +177,5 @@ def validate(cfg: Config) -> None:
     s3 = st.s3
     _positive(s3, "storage.s3", "max_connections", "connect_timeout", "read_timeout", "max_attempts")
     if st.backend == "s3" and not s3.bucket:
-        raise ConfigError("storage.s3.bucket", "must name a bucket when storage.backend = \"s3\"")
+        raise ConfigError("storage.s3.bucket", 'must name a bucket when storage.backend = "s3"')
     _positive(cfg.shutdown, "shutdown", "flush_timeout")

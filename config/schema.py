@@ -45,6 +45,8 @@ class PoolConfig:
     prefault: bool = True
     # Write-back: when fewer than this fraction of slots are free or evictable, dirty pages are written out.
     writeback_low_watermark: float = 0.10
+    # Pins keep pages in L2 across evictions; bounded so that pins cannot starve stores.
+    max_pinned_fraction: float = 0.5
 
 
 @dataclass

@@ -29,7 +29,15 @@ _SIZE_UNITS = {
     "gib": GiB,
     "tib": TiB,
 }
-_DURATION_UNITS = {"us": 1e-6, "ms": MILLISECONDS, "s": SECONDS, "": SECONDS, "m": MINUTES, "min": MINUTES, "h": 3600.0}
+_DURATION_UNITS = {
+    "us": 1e-6,
+    "ms": MILLISECONDS,
+    "s": SECONDS,
+    "": SECONDS,
+    "m": MINUTES,
+    "min": MINUTES,
+    "h": 3600.0,
+}
 _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 

@@ -67,7 +67,9 @@ class Connector(abc.ABC):
         """Stores each payload under its key with a header; True per page written."""
 
     @abc.abstractmethod
-    async def get_into(self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get_into(
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[bool]:
         """Reads each page's payload into its buffer (of exactly the payload length); True per page that
         was present and verified. A corrupt or short object is a miss, is counted and is removed."""
 
@@ -95,9 +97,13 @@ class Connector(abc.ABC):
                     raise BackendUnavailable(self.name, "probe read did not return what was written", "probe")
                 await self.delete(PROBE_NAMESPACE, [key])
             except TimeoutError:
-                raise BackendUnavailable(self.name, f"probe did not finish within {timeout}s", "timeout") from None
+                raise BackendUnavailable(
+                    self.name, f"probe did not finish within {timeout}s", "timeout"
+                ) from None
 
     def corrupt(self, namespace: str, key: str, reason: str, detail: str) -> None:
         """Count and log one corrupt object (the caller removes it)."""
         self.counters[f"corrupt.{reason}"] += 1
-        log.warning("%s: page %s/%s is corrupt (%s); treated as a miss and removed", self.name, namespace, key, detail)
+        log.warning(
+            "%s: page %s/%s is corrupt (%s); treated as a miss and removed", self.name, namespace, key, detail
+        )

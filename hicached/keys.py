@@ -11,10 +11,10 @@ import numpy as np
 
 NAMESPACE_MAX_LEN = 128
 KEY_MAX_LEN = 128
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,%d}$" % NAMESPACE_MAX_LEN)
+_NAMESPACE_RE = re.compile(rf"^[A-Za-z0-9._-]{{1,{NAMESPACE_MAX_LEN}}}$")
 # SGLang keys are 64 lowercase hex characters; other engines may bring their own hashes, so any key made of
 # characters that are safe in a file name, a Redis key and an S3 object name is accepted.
-_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,%d}$" % KEY_MAX_LEN)
+_KEY_RE = re.compile(rf"^[A-Za-z0-9_-]{{1,{KEY_MAX_LEN}}}$")
 
 
 def page_keys(token_ids: Any, page_size: int, prior: str | None = None) -> list[str]:
@@ -59,7 +59,9 @@ def _as_uint32(token_ids: Any) -> np.ndarray:
 
 
 def valid_namespace(namespace: Any) -> bool:
-    return isinstance(namespace, str) and bool(_NAMESPACE_RE.match(namespace)) and namespace not in (".", "..")
+    return (
+        isinstance(namespace, str) and bool(_NAMESPACE_RE.match(namespace)) and namespace not in (".", "..")
+    )
 
 
 def check_namespace(namespace: Any) -> str:

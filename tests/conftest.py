@@ -25,7 +25,9 @@ def _run_async_test(fn, kwargs) -> None:
         me = asyncio.current_task()
         left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
         if left:
-            problems.append("tasks left running after the test: " + ", ".join(repr(t.get_coro()) for t in left))
+            problems.append(
+                "tasks left running after the test: " + ", ".join(repr(t.get_coro()) for t in left)
+            )
             for t in left:
                 t.cancel()
             await asyncio.gather(*left, return_exceptions=True)

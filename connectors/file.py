@@ -1,0 +1,343 @@
+"""The local-file L3 backend: one file per page, `{root}/{namespace}/{key[0:2]}/{key[2:4]}/{key}`, each a
+header (connectors.header) followed by the payload, written to a temporary name and renamed into place."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import secrets
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiofiles.os
+import aiofiles.ospath
+
+from config import Config, resolve_path
+from hicached.keys import valid_key, valid_namespace
+
+from . import header
+from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector
+
+log = logging.getLogger("hicached.connectors.file")
+
+_HIT, _MISS, _CANCELLED = "hit", "miss", "cancelled"
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def _errname(e: OSError) -> str:
+    return errno.errorcode.get(e.errno or 0, "EIO")
+
+
+def _byte_view(buf: Any) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """The part of `bufs` left after `n` bytes were transferred (pwritev/preadv may stop short)."""
+    while bufs and n >= bufs[0].nbytes:
+        n -= bufs[0].nbytes
+        bufs = bufs[1:]
+    if n:
+        bufs = [bufs[0][n:], *bufs[1:]]
+    return bufs
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview]) -> None:
+    offset = 0
+    bufs = _advance(bufs, 0)
+    while bufs:
+        n = os.pwritev(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        bufs = _advance(bufs, n)
+
+
+def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
+    offset = 0
+    bufs = _advance(bufs, 0)
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n <= 0:  # end of file: the object shrank under us
+            break
+        offset += n
+        bufs = _advance(bufs, n)
+    return offset
+
+
+class FileConnector(Connector):
+    """Pages as files under a local directory. Page bytes move on a private thread pool, with preadv and
+    pwritev straight between file and shared memory, checksummed in the same job (xxh3 drops the GIL)."""
+
+    name = "file"
+    capabilities = Capabilities(shared=False, persistent=True, ttl=False)
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        fc = cfg.storage.file
+        self.root = resolve_path(cfg, fc.root)
+        self._fsync = fc.fsync
+        self._threads = fc.io_threads
+        self._timeout = cfg.storage.operation_timeout
+        self._executor = ThreadPoolExecutor(max_workers=fc.io_threads, thread_name_prefix="hicached-file")
+        self._closed = False
+
+    async def start(self) -> None:
+        kw = {"executor": self._executor}
+        try:
+            created = not await aiofiles.ospath.exists(self.root, **kw)
+            await aiofiles.os.makedirs(self.root, mode=0o700, exist_ok=True, **kw)
+            if created:  # makedirs' mode is filtered by the umask; the cache must stay private either way
+                await aiofiles.ospath.wrap(os.chmod)(self.root, 0o700, **kw)
+            if not await aiofiles.ospath.wrap(os.access)(self.root, os.W_OK | os.X_OK, **kw):
+                raise PermissionError(errno.EACCES, "not writable", self.root)
+        except (PermissionError, FileExistsError, NotADirectoryError) as e:
+            raise BackendMisconfigured(self.name, f"storage.file.root {self.root} is unusable: {e}") from None
+        except OSError as e:
+            raise BackendUnavailable(self.name, f"cannot create {self.root}: {e}", _errname(e)) from None
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            # Not waiting: a hung disk must not hang shutdown. Jobs already submitted still run to the end,
+            # so every call in flight gets its answer.
+            self._executor.shutdown(wait=False)
+
+    async def put(self, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]) -> list[bool]:
+        if len(keys) != len(payloads):
+            raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+        views = [_byte_view(p) for p in payloads]
+        self.counters["puts"] += len(keys)
+        if not keys:
+            return []
+        if not valid_namespace(namespace):
+            self.counters["errors.invalid_namespace"] += len(keys)
+            return [False] * len(keys)
+        results = await self._batch(self._write_chunk, namespace, keys, views, "put")
+        ok = []
+        for result, view in zip(results, views, strict=True):
+            ok.append(result is None)
+            if result is None:
+                self.counters["bytes_written"] += view.nbytes
+            elif result != _CANCELLED:
+                self.counters[f"errors.{result}"] += 1
+        failed = [r for r in results if r is not None]
+        if failed:  # once per call, not per page: a full disk fails every page of a batch alike
+            log.warning("file: %d of %d pages not written (%s)", len(failed), len(keys), failed[0])
+        return ok
+
+    async def get_into(
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[bool]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = [_byte_view(b) for b in buffers]
+        if any(v.readonly for v in views):
+            raise ValueError("get_into needs writable buffers")
+        self.counters["gets"] += len(keys)
+        results = [_MISS] * len(keys)
+        if keys and valid_namespace(namespace):
+            results = await self._batch(self._read_chunk, namespace, keys, views, "get")
+        hits = []
+        for key, result, view in zip(keys, results, views, strict=True):
+            hits.append(result == _HIT)
+            if result == _HIT:
+                self.counters["hits"] += 1
+                self.counters["bytes_read"] += view.nbytes
+                continue
+            self.counters["misses"] += 1
+            if isinstance(result, header.CorruptPage):
+                self.corrupt(namespace, key, result.reason, str(result))
+            elif isinstance(result, OSError):
+                self.counters[f"errors.{_errname(result)}"] += 1
+                log.warning("file: reading page %s/%s failed (%s); treated as a miss", namespace, key, result)
+        return hits
+
+    async def exists(self, namespace: str, keys: Sequence[str]) -> int:
+        if not keys or not valid_namespace(namespace):
+            return 0
+        # Stat alone (no payload read): one job for the whole list, stopping at the first hole.
+        return await self._call(aiofiles.ospath.wrap(self._leading_present), namespace, keys, what="exists")
+
+    async def delete(self, namespace: str, keys: Sequence[str]) -> int:
+        if not keys or not valid_namespace(namespace):
+            return 0
+        removed = await self._call(aiofiles.ospath.wrap(self._remove_all), namespace, keys, what="delete")
+        self.counters["deletes"] += removed
+        return removed
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        if self._closed:
+            raise BackendUnavailable(self.name, "connector is closed", "closed")
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await fn(*args, executor=self._executor)
+        except TimeoutError:
+            self.counters["errors.timeout"] += 1
+            raise BackendUnavailable(self.name, f"{what} took over {self._timeout}s", "timeout") from None
+        except OSError as e:
+            raise BackendUnavailable(self.name, f"{what} failed: {e}", _errname(e)) from None
+
+    async def _batch(self, chunk_fn: Callable[..., list], namespace: str, keys, views, what: str) -> list:
+        """Runs `chunk_fn` over at most io_threads slices of the batch at once, one executor job each."""
+        stop = threading.Event()
+        n = len(keys)
+        parts = [slice(i * n // self._threads, (i + 1) * n // self._threads) for i in range(self._threads)]
+        parts = [s for s in parts if s.start < s.stop]
+
+        async def run_all(executor: ThreadPoolExecutor) -> list:
+            run = asyncio.get_running_loop().run_in_executor
+            jobs = [run(executor, chunk_fn, namespace, keys[s], views[s], stop) for s in parts]
+            # Every job is awaited before we answer (unless timed out), so no worker writes into a buffer
+            # that the caller already took back as a miss.
+            return await asyncio.gather(*jobs, return_exceptions=True)
+
+        try:
+            done = await self._call(run_all, what=what)
+        finally:
+            stop.set()  # after a time-out, workers stop before their next page
+        out: list = []
+        for part in done:
+            if isinstance(part, BaseException):
+                if isinstance(part, OSError):
+                    raise BackendUnavailable(self.name, f"{what} failed: {part}", _errname(part)) from part
+                raise part
+            out.extend(part)
+        return out
+
+    def _path(self, namespace: str, key: str) -> str:
+        shard = key if len(key) >= 4 else key.ljust(4, "_")
+        return f"{self.root}/{namespace}/{shard[0:2]}/{shard[2:4]}/{key}"
+
+    def _check_root(self) -> None:
+        """Tells a missing object from a missing store: the latter fails the whole call."""
+        try:
+            st = os.stat(self.root)
+        except OSError as e:
+            raise BackendUnavailable(self.name, f"root {self.root} is unusable: {e}", _errname(e)) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise BackendUnavailable(self.name, f"root {self.root} is not a directory", "ENOTDIR")
+
+    def _write_chunk(self, namespace: str, keys, views, stop: threading.Event) -> list[str | None]:
+        out: list[str | None] = []
+        for key, view in zip(keys, views, strict=True):
+            if stop.is_set():
+                out.append(_CANCELLED)
+            elif not valid_key(key):
+                out.append("invalid_key")
+            else:
+                try:
+                    self._write_one(namespace, key, view)
+                    out.append(None)
+                except OSError as e:
+                    out.append(_errname(e))
+        return out
+
+    def _write_one(self, namespace: str, key: str, payload: memoryview) -> None:
+        final = self._path(namespace, key)
+        directory = os.path.dirname(final)
+        tmp = f"{directory}/.{key}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, _TMP_FLAGS, 0o600)
+        except FileNotFoundError:
+            self._check_root()  # makedirs below must never re-create a vanished root
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            fd = os.open(tmp, _TMP_FLAGS, 0o600)
+        try:
+            try:
+                _pwritev_all(fd, [memoryview(header.encode(namespace, key, payload)), payload])
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def _read_chunk(self, namespace: str, keys, views, stop: threading.Event) -> list[Any]:
+        out: list[Any] = []
+        for key, view in zip(keys, views, strict=True):
+            if stop.is_set():
+                out.append(_CANCELLED)
+            elif not valid_key(key):
+                out.append(_MISS)
+            else:
+                try:
+                    out.append(self._read_one(namespace, key, view))
+                except OSError as e:
+                    out.append(e)
+        return out
+
+    def _read_one(self, namespace: str, key: str, dest: memoryview) -> Any:
+        path = self._path(namespace, key)
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            self._check_root()
+            return _MISS
+        try:
+            st = os.fstat(fd)
+            expected = header.HEADER_SIZE + dest.nbytes
+            try:
+                if st.st_size < header.HEADER_SIZE:
+                    raise header.CorruptPage("short", f"file of {st.st_size} bytes holds no header")
+                if st.st_size != expected:
+                    raise header.CorruptPage("length", f"file of {st.st_size} bytes, expected {expected}")
+                head = bytearray(header.HEADER_SIZE)
+                got = _preadv_all(fd, [memoryview(head), dest])
+                if got != expected:
+                    raise header.CorruptPage("short", f"read {got} of {expected} bytes")
+                header.verify(head, namespace, key, dest)
+                return _HIT
+            except header.CorruptPage as e:
+                self._remove_if_same(path, st)
+                return e
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _remove_if_same(path: str, st: os.stat_result) -> None:
+        # A put may have renamed a good page over the corrupt one since we opened it: remove what we read.
+        try:
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(path)
+        except OSError:
+            pass
+
+    def _leading_present(self, namespace: str, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            try:
+                st = os.stat(self._path(namespace, key)) if valid_key(key) else None
+            except (FileNotFoundError, NotADirectoryError):
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < header.HEADER_SIZE:
+                if i == 0:
+                    self._check_root()
+                return i
+        return len(keys)
+
+    def _remove_all(self, namespace: str, keys: Sequence[str]) -> int:
+        removed = 0
+        for key in keys:
+            if not valid_key(key):
+                continue
+            try:
+                os.unlink(self._path(namespace, key))
+                removed += 1
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        if removed < len(keys):
+            self._check_root()
+        return removed

@@ -1,0 +1,175 @@
+"""Backup: coroutines that write dirty L2 pages to L3, with a concurrency limit, batches, and retries.
+
+Write-through queues a page as soon as it is committed; write-back queues the oldest dirty pages when the
+pool runs short of reclaimable space, and everything on shutdown. A page that cannot be written after the
+configured attempts is counted and logged once per batch; it then stops holding its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from itertools import groupby
+
+from connectors.base import BackendError, Connector
+
+from .index import READY, Entry, PageIndex
+from .pool import Pool
+from .retry import Backoff
+
+log = logging.getLogger("hicached.backup")
+
+
+class Backup:
+    def __init__(
+        self,
+        index: PageIndex,
+        pool: Pool,
+        connector: Callable[[], Connector | None],
+        counters: collections.Counter[str],
+        concurrency: int,
+        batch_pages: int,
+        queue_pages: int,
+        backoff: Backoff,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.connector = connector  # read at every attempt, so work retargets to a swapped backend
+        self.counters = counters
+        self.concurrency = concurrency
+        self.batch_pages = batch_pages
+        self.queue_pages = queue_pages
+        self.backoff = backoff
+        self._queue: collections.deque[Entry] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.inflight = 0
+        self._workers: list[asyncio.Task[None]] = []
+
+    @property
+    def pending(self) -> int:
+        """Pages queued or being written."""
+        return len(self._queue) + self.inflight
+
+    @property
+    def full(self) -> bool:
+        return self.pending >= self.queue_pages
+
+    def start(self) -> None:
+        self._workers = [
+            asyncio.create_task(self._worker(), name=f"backup-{i}") for i in range(self.concurrency)
+        ]
+
+    async def stop(self) -> None:
+        for t in self._workers:
+            t.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+
+    def submit(self, entry: Entry) -> None:
+        if entry.queued or not entry.dirty:
+            return
+        entry.queued = True
+        self.index.update(entry)
+        self._queue.append(entry)
+        self._idle.clear()
+        self._wakeup.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Waits until nothing is queued or in flight; False if `timeout` passed first."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def _worker(self) -> None:
+        while True:
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            batch = [self._queue.popleft() for _ in range(min(self.batch_pages, len(self._queue)))]
+            self.inflight += len(batch)
+            try:
+                for ns, group in groupby(sorted(batch, key=lambda e: e.ns), key=lambda e: e.ns):
+                    await self._write(ns, list(group))
+            except Exception:
+                log.exception(
+                    "backup worker failed on a batch of %d pages; they stay dirty in L2", len(batch)
+                )
+                for e in batch:
+                    e.queued = False
+                    self.index.update(e)
+            finally:
+                self.inflight -= len(batch)
+                if not self._queue and not self.inflight:
+                    self._idle.set()
+
+    async def _write(self, ns: str, entries: list[Entry]) -> None:
+        for e in entries:
+            self.index.lease(e)
+        try:
+            await self._write_leased(ns, entries)
+        finally:
+            for e in entries:
+                e.queued = False
+                self.index.unlease(e)
+
+    async def _write_leased(self, ns: str, todo: list[Entry]) -> None:
+        attempt = 1
+        last_error = "the backend refused the pages"
+        while todo:
+            todo = [e for e in todo if self.index.live(e) and e.dirty and e.state == READY]
+            connector = self.connector()
+            if not todo:
+                return
+            if connector is None:
+                return  # detached: pages stay dirty in L2 until a backend is attached
+            try:
+                keys = [e.key for e in todo]
+                present = await connector.exists(ns, keys)
+                for e in todo[:present]:
+                    self._done(e, written=False)
+                todo = todo[present:]
+                if todo:
+                    views = [self.pool.slot(e.offset, e.size) for e in todo]
+                    ok = await connector.put(ns, [e.key for e in todo], views)
+                    for e, good in zip(todo, ok, strict=True):
+                        if good:
+                            self._done(e, written=True)
+                    todo = [e for e, good in zip(todo, ok, strict=True) if not good]
+            except BackendError as e:
+                last_error = str(e)
+                self.counters[f"backup.errors.{e.reason}"] += 1
+            if not todo:
+                return
+            if attempt >= self.backoff.attempts:
+                self.counters["backup.failed"] += len(todo)
+                log.error(
+                    "backup of %d pages of %s failed after %d attempts (%s); they are no longer held for L3",
+                    len(todo),
+                    ns,
+                    attempt,
+                    last_error,
+                )
+                for e in todo:
+                    e.dirty = False
+                    self.index.update(e)
+                return
+            self.counters["backup.retries"] += 1
+            await asyncio.sleep(self.backoff.delay(attempt))
+            attempt += 1
+
+    def _done(self, entry: Entry, written: bool) -> None:
+        entry.dirty = False
+        entry.in_l3 = True
+        self.index.update(entry)
+        if written:
+            self.counters["backup.pages"] += 1
+            self.counters["backup.bytes"] += entry.size
+        else:
+            self.counters["backup.skipped_present"] += 1

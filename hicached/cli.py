@@ -1,0 +1,112 @@
+"""The `hicached` command: serve, check-config, ctl."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import config
+
+DEFAULT_CONFIG = "hicached.toml"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _load(path: str) -> config.Config:
+    try:
+        return config.load(path)
+    except config.ConfigError as e:
+        print(f"hicached: invalid configuration: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from .daemon import Daemon
+
+    cfg = _load(args.config)
+    _setup_logging(cfg.logging.level)
+    daemon = Daemon(cfg, config_path=os.path.abspath(args.config))
+    try:
+        uvloop.run(daemon.run())
+    except RuntimeError as e:
+        logging.getLogger("hicached").error("%s", e)
+        return 1
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _load(args.path)
+    print(f"{args.path}: OK (backend {cfg.storage.backend}, pool {cfg.pool.capacity} bytes)")
+    return 0
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    if args.socket:
+        return args.socket
+    cfg_path = args.config or DEFAULT_CONFIG
+    if os.path.exists(cfg_path):
+        cfg = _load(cfg_path)
+        return config.resolve_path(cfg, cfg.server.socket)
+    return config.resolve_path(config.Config(), config.Config().server.socket)
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    from .client import control
+    from .errors import HicachedError
+
+    try:
+        answer = control(_socket_path(args), args.cmd, timeout=args.timeout)
+    except HicachedError as e:
+        print(f"hicached ctl: {e}", file=sys.stderr)
+        return 1
+    answer.pop("id", None)
+    if args.json:
+        print(json.dumps(answer, indent=2, sort_keys=True))
+    else:
+        _print_human(answer)
+    return 0
+
+
+def _print_human(d: dict, indent: int = 0) -> None:
+    for k in sorted(d):
+        v = d[k]
+        if isinstance(v, dict):
+            print(" " * indent + f"{k}:")
+            _print_human(v, indent + 2)
+        else:
+            print(" " * indent + f"{k}: {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicached", description="Tiered KV-cache daemon for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="TOML configuration (default: ./hicached.toml)")
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("check-config", help="validate a configuration file")
+    p.add_argument("path")
+    p.set_defaults(fn=cmd_check_config)
+    p = sub.add_parser("ctl", help="ask a running daemon")
+    p.add_argument("--socket", help="the daemon's socket (default: from --config or ./hicached.toml)")
+    p.add_argument("--config", help="read the socket path from this configuration")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("cmd", choices=["status", "stats", "flush"])
+    p.set_defaults(fn=cmd_ctl)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,564 @@
+"""The engine-side client: `Client` (blocking, thread-safe) and `AsyncClient` (the same methods as
+coroutines). Control messages go over the daemon's Unix socket; page bytes are copied straight into and out
+of the shared L2 pool, whose fd the daemon hands over when the connection opens.
+
+Each operation is written once, as a generator that yields requests and receives answers (`_Ops`); the two
+clients only differ in how they carry a request to the daemon and back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import protocol
+from .errors import BAD_REQUEST, CONNECTION, TIMEOUT, HicachedError
+from .keys import check_namespace
+
+DEFAULT_TIMEOUT = 30.0
+_WELCOME_MAX = 1 << 16
+_CLIENT_MAX_FRAME = 256 << 20
+
+Op = Generator[dict[str, Any], dict[str, Any] | None, Any]
+
+
+class _NoReply(dict):
+    """A request whose answer nobody waits for (a lease release): it saves a round trip."""
+
+
+def _as_bytes_array(obj: Any, nbytes: int, writable: bool, what: str) -> np.ndarray:
+    """A flat uint8 numpy view of a page or a buffer (bytes-like object or CPU tensor), without a copy."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # torch.Tensor
+        if obj.is_cuda:
+            raise HicachedError(BAD_REQUEST, f"{what} is a CUDA tensor: register it as a region instead")
+        if not obj.is_contiguous():
+            raise HicachedError(BAD_REQUEST, f"{what} tensor is not contiguous")
+        import torch
+
+        arr = obj.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        try:
+            mv = memoryview(obj)
+        except TypeError:
+            raise HicachedError(BAD_REQUEST, f"{what} must be a bytes-like object or a tensor") from None
+        if not mv.c_contiguous:
+            raise HicachedError(BAD_REQUEST, f"{what} is not contiguous")
+        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+    if arr.nbytes != nbytes:
+        raise HicachedError(
+            BAD_REQUEST, f"{what} has {arr.nbytes} bytes; this client's page_bytes is {nbytes}"
+        )
+    if writable and not arr.flags.writeable:
+        raise HicachedError(BAD_REQUEST, f"{what} is read-only")
+    return arr
+
+
+class _Ops:
+    """What each client method does, as generators of requests; no I/O."""
+
+    def __init__(self, namespace: str, page_bytes: int) -> None:
+        try:
+            self.namespace = check_namespace(namespace)
+        except ValueError as e:
+            raise HicachedError(BAD_REQUEST, str(e)) from None
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise HicachedError(BAD_REQUEST, f"page_bytes must be a positive integer, got {page_bytes!r}")
+        self.page_bytes = page_bytes
+        self._mm: mmap.mmap | None = None
+        self._pool: np.ndarray | None = None
+
+    def _attach(self, welcome: dict[str, Any], fd: int) -> None:
+        try:
+            size = welcome["pool_bytes"]
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._pool = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def _detach(self) -> None:
+        self._pool = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view handed out by get() is still alive; the mapping goes with the process
+            self._mm = None
+
+    def _slot(self, offset: int) -> np.ndarray:
+        if self._pool is None:
+            raise HicachedError(CONNECTION, "the client is closed")
+        return self._pool[offset : offset + self.page_bytes]
+
+    def op_hello(self) -> Op:
+        return (yield {"op": "hello", "namespace": self.namespace, "page_bytes": self.page_bytes})
+
+    def op_exists(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "exists", "keys": list(keys)})["n"]
+
+    def op_store(self, keys: Sequence[str], pages: Sequence[Any]) -> Op:
+        keys = list(keys)
+        if len(keys) != len(pages):
+            raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(pages)} pages")
+        if not keys:
+            return []
+        srcs = [_as_bytes_array(p, self.page_bytes, False, f"page {i}") for i, p in enumerate(pages)]
+        ans = yield {"op": "alloc", "keys": keys}
+        result = [s == protocol.ALLOC_PRESENT for s in ans["status"]]
+        to_write = [i for i, s in enumerate(ans["status"]) if s == protocol.ALLOC_WRITE]
+        if not to_write:
+            return result
+        written = [keys[i] for i in to_write]
+        try:
+            for i in to_write:
+                np.copyto(self._slot(ans["offsets"][i]), srcs[i])
+        except BaseException:
+            yield _NoReply(op="abort", keys=written)
+            raise
+        ok = (yield {"op": "commit", "keys": written})["ok"]
+        for i, good in zip(to_write, ok, strict=True):
+            result[i] = bool(good)
+        return result
+
+    def op_load(self, keys: Sequence[str], buffers: Sequence[Any]) -> Op:
+        if len(keys) != len(buffers):
+            raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(buffers)} buffers")
+        dsts = [_as_bytes_array(b, self.page_bytes, True, f"buffer {i}") for i, b in enumerate(buffers)]
+        if not keys:
+            return 0
+        ans = yield {"op": "acquire", "keys": list(keys)}
+        offsets = ans["offsets"]
+        if not offsets:
+            return 0
+        try:
+            for dst, off in zip(dsts, offsets, strict=False):
+                np.copyto(dst, self._slot(off))
+        finally:
+            yield _NoReply(op="release", lease=ans["lease"])
+        return len(offsets)
+
+    def op_get(self, keys: Sequence[str]) -> Op:
+        if not keys:
+            return []
+        ans = yield {"op": "acquire", "keys": list(keys)}
+        if not ans["offsets"]:
+            return []
+        try:
+            return [self._slot(off).tobytes() for off in ans["offsets"]]
+        finally:
+            yield _NoReply(op="release", lease=ans["lease"])
+
+    def op_prefetch(self, keys: Sequence[str], priority: int) -> Op:
+        return (yield {"op": "prefetch", "keys": list(keys), "priority": int(priority)})["handle"]
+
+    def op_wait(self, handle: int, timeout: float | None) -> Op:
+        req: dict[str, Any] = {"op": "wait", "handle": handle}
+        if timeout is not None:
+            req["timeout"] = float(timeout)
+        return (yield req)["n"]
+
+    def op_pin(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "pin", "keys": list(keys)})["n"]
+
+    def op_unpin(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "unpin", "keys": list(keys)})["n"]
+
+    def op_simple(self, op: str) -> Op:
+        ans = yield {"op": op}
+        ans.pop("id", None)
+        return ans
+
+
+def _read_welcome(sock: socket.socket, deadline: float) -> tuple[dict[str, Any], int]:
+    """The daemon's first frame and the pool fd that comes with it (blocking socket)."""
+    decoder = protocol.FrameDecoder(_WELCOME_MAX)
+    fds: list[int] = []
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise HicachedError(TIMEOUT, "the daemon did not send its welcome in time")
+        sock.settimeout(remaining)
+        try:
+            data, got, _, _ = socket.recv_fds(sock, _WELCOME_MAX, 4)
+        except TimeoutError:
+            continue
+        fds += got
+        if not data:
+            break
+        msgs = decoder.feed(data)
+        if msgs:
+            return _check_welcome(msgs[0], fds)
+    for fd in fds:
+        os.close(fd)
+    raise HicachedError(CONNECTION, "the daemon closed the connection during the handshake")
+
+
+def _check_welcome(msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], int]:
+    try:
+        protocol.raise_for_error(msg)
+        if msg.get("version") != protocol.VERSION or len(fds) != 1:
+            raise HicachedError(CONNECTION, f"unexpected handshake from the daemon: {msg!r}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return msg, fds[0]
+
+
+def _connect(path: str, timeout: float) -> tuple[socket.socket, dict[str, Any], int]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise HicachedError(
+                CONNECTION, f"no hicached daemon is listening on {path} ({e.strerror})"
+            ) from None
+        except PermissionError:
+            raise HicachedError(
+                CONNECTION, f"not allowed to connect to {path} (socket permissions)"
+            ) from None
+        welcome, fd = _read_welcome(sock, time.monotonic() + timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, welcome, fd
+
+
+class Client:
+    """Blocking client; one instance may be shared by many threads (requests from several threads are in
+    flight together; whichever thread waits reads the socket and hands answers to their owners)."""
+
+    def __init__(
+        self, socket_path: str, namespace: str, page_bytes: int, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self._ops = _Ops(namespace, page_bytes)
+        self.timeout = timeout
+        self._sock, welcome, fd = _connect(os.fspath(socket_path), timeout)
+        self._sock.settimeout(None)
+        self._ops._attach(welcome, fd)
+        self._poll = select.poll()
+        self._poll.register(self._sock, select.POLLIN)
+        self._decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._results: dict[int, dict[str, Any]] = {}
+        self._waiting: set[int] = set()
+        self._reading = False
+        self._broken: str | None = None
+        try:
+            self._run(self._ops.op_hello())
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def namespace(self) -> str:
+        return self._ops.namespace
+
+    @property
+    def page_bytes(self) -> int:
+        return self._ops.page_bytes
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._cv:
+            if self._broken is None:
+                self._broken = "the client is closed"
+            self._cv.notify_all()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._ops._detach()
+
+    def exists(self, keys: Sequence[str]) -> int:
+        return self._run(self._ops.op_exists(keys))
+
+    def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
+        return self._run(self._ops.op_store(keys, pages))
+
+    def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> int:
+        return self._run(self._ops.op_load(keys, buffers))
+
+    def get(self, keys: Sequence[str]) -> list[bytes]:
+        return self._run(self._ops.op_get(keys))
+
+    def prefetch(self, keys: Sequence[str], priority: int = 0) -> int:
+        return self._run(self._ops.op_prefetch(keys, priority))
+
+    def wait(self, handle: int, timeout: float | None = None) -> int:
+        return self._run(self._ops.op_wait(handle, timeout))
+
+    def pin(self, keys: Sequence[str]) -> int:
+        return self._run(self._ops.op_pin(keys))
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        return self._run(self._ops.op_unpin(keys))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._ops.op_simple("stats"))
+
+    def status(self) -> dict[str, Any]:
+        return self._run(self._ops.op_simple("status"))
+
+    def _run(self, op: Op) -> Any:
+        try:
+            req = next(op)
+            while True:
+                try:
+                    answer = self._request(req)
+                except HicachedError as e:
+                    req = op.throw(e)
+                    continue
+                req = op.send(answer)
+        except StopIteration as stop:
+            return stop.value
+
+    def _request(self, req: dict[str, Any]) -> dict[str, Any] | None:
+        rid = next(self._ids)
+        req["id"] = rid
+        data = protocol.encode(req)
+        wait = not isinstance(req, _NoReply)
+        with self._cv:
+            if self._broken:
+                raise HicachedError(CONNECTION, self._broken)
+            if wait:
+                self._waiting.add(rid)
+        try:
+            with self._send_lock:
+                self._sock.sendall(data)
+        except OSError as e:
+            self._fail(f"the connection to the daemon broke: {e}")
+        if not wait:
+            return None
+        try:
+            return protocol.raise_for_error(self._await(rid, time.monotonic() + self.timeout))
+        finally:
+            with self._cv:
+                self._waiting.discard(rid)
+                self._results.pop(rid, None)
+
+    def _await(self, rid: int, deadline: float) -> dict[str, Any]:
+        with self._cv:
+            while True:
+                if rid in self._results:
+                    return self._results.pop(rid)
+                if self._broken:
+                    raise HicachedError(CONNECTION, self._broken)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s")
+                if not self._reading:
+                    self._reading = True
+                    break
+                self._cv.wait(remaining)
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._poll.poll(remaining * 1000):
+                    raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s")
+                try:
+                    data = self._sock.recv(1 << 20)
+                except OSError as e:
+                    self._fail(f"the connection to the daemon broke: {e}")
+                if not data:
+                    self._fail("the daemon closed the connection")
+                try:
+                    msgs = self._decoder.feed(data)
+                except protocol.FrameError as e:
+                    self._fail(f"unreadable answer from the daemon: {e}")
+                with self._cv:
+                    for m in msgs:
+                        mid = m.get("id") if isinstance(m, dict) else None
+                        if mid in self._waiting:
+                            self._results[mid] = m
+                    if msgs:
+                        self._cv.notify_all()
+                    if rid in self._results:
+                        return self._results.pop(rid)
+        finally:
+            with self._cv:
+                self._reading = False
+                self._cv.notify_all()
+
+    def _fail(self, why: str) -> None:
+        with self._cv:
+            self._broken = self._broken or why
+            self._cv.notify_all()
+        raise HicachedError(CONNECTION, why)
+
+
+class _AsyncProtocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
+        self.waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.transport: asyncio.Transport | None = None
+        self.broken: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            msgs = self.decoder.feed(data)
+        except protocol.FrameError as e:
+            self.transport.abort()
+            self._fail(f"unreadable answer from the daemon: {e}")
+            return
+        for m in msgs:
+            fut = self.waiters.pop(m.get("id"), None) if isinstance(m, dict) else None
+            if fut is not None and not fut.done():
+                fut.set_result(m)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail("the daemon closed the connection")
+
+    def _fail(self, why: str) -> None:
+        self.broken = self.broken or why
+        for fut in self.waiters.values():
+            if not fut.done():
+                fut.set_exception(HicachedError(CONNECTION, why))
+        self.waiters.clear()
+
+
+class AsyncClient:
+    """The same methods as `Client`, as coroutines, for engines that run an event loop.
+    Use `async with AsyncClient(...) as c` or `await AsyncClient(...).connect()`."""
+
+    def __init__(
+        self, socket_path: str, namespace: str, page_bytes: int, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self._ops = _Ops(namespace, page_bytes)
+        self.socket_path = os.fspath(socket_path)
+        self.timeout = timeout
+        self._proto: _AsyncProtocol | None = None
+        self._ids = itertools.count(1)
+
+    async def connect(self) -> AsyncClient:
+        loop = asyncio.get_running_loop()
+        # The handshake carries an fd, which a transport cannot receive: do it on a blocking socket in a
+        # thread, then hand the socket to the loop.
+        sock, welcome, fd = await loop.run_in_executor(None, _connect, self.socket_path, self.timeout)
+        self._ops._attach(welcome, fd)
+        sock.setblocking(False)
+        _, self._proto = await loop.create_unix_connection(_AsyncProtocol, sock=sock)
+        try:
+            await self._run(self._ops.op_hello())
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._proto is not None and self._proto.transport is not None:
+            self._proto.transport.close()
+            self._proto._fail("the client is closed")
+        self._ops._detach()
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        return await self._run(self._ops.op_exists(keys))
+
+    async def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
+        return await self._run(self._ops.op_store(keys, pages))
+
+    async def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> int:
+        return await self._run(self._ops.op_load(keys, buffers))
+
+    async def get(self, keys: Sequence[str]) -> list[bytes]:
+        return await self._run(self._ops.op_get(keys))
+
+    async def prefetch(self, keys: Sequence[str], priority: int = 0) -> int:
+        return await self._run(self._ops.op_prefetch(keys, priority))
+
+    async def wait(self, handle: int, timeout: float | None = None) -> int:
+        return await self._run(self._ops.op_wait(handle, timeout))
+
+    async def pin(self, keys: Sequence[str]) -> int:
+        return await self._run(self._ops.op_pin(keys))
+
+    async def unpin(self, keys: Sequence[str]) -> int:
+        return await self._run(self._ops.op_unpin(keys))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self._ops.op_simple("stats"))
+
+    async def status(self) -> dict[str, Any]:
+        return await self._run(self._ops.op_simple("status"))
+
+    async def _run(self, op: Op) -> Any:
+        try:
+            req = next(op)
+            while True:
+                try:
+                    answer = await self._request(req)
+                except HicachedError as e:
+                    req = op.throw(e)
+                    continue
+                req = op.send(answer)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _request(self, req: dict[str, Any]) -> dict[str, Any] | None:
+        proto = self._proto
+        if proto is None or proto.broken:
+            raise HicachedError(CONNECTION, proto.broken if proto else "the client is not connected")
+        rid = next(self._ids)
+        req["id"] = rid
+        if isinstance(req, _NoReply):
+            proto.transport.write(protocol.encode(req))
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        proto.waiters[rid] = fut
+        proto.transport.write(protocol.encode(req))
+        try:
+            async with asyncio.timeout(self.timeout):
+                return protocol.raise_for_error(await fut)
+        except TimeoutError:
+            raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s") from None
+        finally:
+            proto.waiters.pop(rid, None)
+
+
+def control(socket_path: str, op: str, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """One control request (status, stats, flush) on a connection of its own; used by `hicached ctl`."""
+    sock, _, fd = _connect(socket_path, timeout)
+    os.close(fd)
+    try:
+        sock.settimeout(timeout)
+        sock.sendall(protocol.encode({"id": 1, "op": op}))
+        decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
+        while True:
+            data = sock.recv(1 << 20)
+            if not data:
+                raise HicachedError(CONNECTION, "the daemon closed the connection")
+            for m in decoder.feed(data):
+                if m.get("id") == 1:
+                    return protocol.raise_for_error(m)
+    except TimeoutError:
+        raise HicachedError(TIMEOUT, f"no answer from the daemon within {timeout}s") from None
+    finally:
+        sock.close()

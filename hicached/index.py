@@ -1,0 +1,209 @@
+"""The page index: (namespace, key) -> slot, with leases, pins, the "not yet in L3" state and LRU eviction.
+
+Every operation costs O(1) per key. Only pages that are ready, unleased, unpinned and clean (in L3, or
+nothing to back up to) sit in the per-class LRU lists, so eviction never scans past pages it cannot take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections import OrderedDict
+
+from .slabs import SizeClass, SlabAllocator, slot_size
+
+WRITING = "writing"  # slot handed to an engine, bytes not yet committed
+FILLING = "filling"  # being read from L3 by a prefetch
+READY = "ready"
+
+_STEAL_CANDIDATES = 16  # LRU pages of a victim class whose slabs are tried before giving up
+
+
+class Entry:
+    __slots__ = (
+        "ns",
+        "key",
+        "offset",
+        "size",
+        "cls",
+        "state",
+        "leases",
+        "pinned",
+        "dirty",
+        "queued",
+        "in_l3",
+        "fill",
+    )
+
+    def __init__(self, ns: str, key: str, offset: int, size: int, cls: SizeClass, state: str) -> None:
+        self.ns = ns
+        self.key = key
+        self.offset = offset
+        self.size = size
+        self.cls = cls
+        self.state = state
+        self.leases = 0
+        self.pinned = False
+        self.dirty = False  # acknowledged to an engine, not yet in L3
+        self.queued = False  # dirty and handed to the backup workers
+        self.in_l3 = False
+        self.fill: asyncio.Future[bool] | None = None  # set while FILLING; True when the page arrived
+
+    @property
+    def evictable(self) -> bool:
+        return self.state == READY and not self.leases and not self.pinned and not self.dirty
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.ns}/{self.key[:12]} {self.state} off={self.offset} leases={self.leases}>"
+
+
+class PageIndex:
+    def __init__(self, allocator: SlabAllocator) -> None:
+        self.alloc = allocator
+        self.entries: dict[tuple[str, str], Entry] = {}
+        self._lru: dict[SizeClass, OrderedDict[tuple[str, str], Entry]] = {}
+        self._by_offset: dict[int, Entry] = {}
+        # Dirty, ready pages in the order they became dirty: what write-back writes out first.
+        self.dirty: OrderedDict[tuple[str, str], Entry] = OrderedDict()
+        self.evictable_bytes = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def get(self, ns: str, key: str) -> Entry | None:
+        return self.entries.get((ns, key))
+
+    def live(self, entry: Entry) -> bool:
+        return self.entries.get((entry.ns, entry.key)) is entry
+
+    def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
+        """A new entry with a slot of its own, evicting if needed; None when nothing can be freed."""
+        cls = self.alloc.size_class(slot_size(page_bytes))
+        offset = self.alloc.alloc(cls)
+        if offset is None:
+            offset = self._reclaim(cls)
+            if offset is None:
+                self.counters["alloc_failures"] += 1
+                return None
+        entry = Entry(ns, key, offset, page_bytes, cls, state)
+        self.entries[(ns, key)] = entry
+        self._by_offset[offset] = entry
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        """Frees the entry's slot. The caller makes sure nobody holds a lease on it."""
+        k = (entry.ns, entry.key)
+        if self.entries.get(k) is not entry:
+            return
+        self._set_evictable(entry, False)
+        self.dirty.pop(k, None)
+        del self.entries[k]
+        del self._by_offset[entry.offset]
+        self.alloc.free(entry.cls, entry.offset)
+
+    # State changes. Each one re-files the entry in or out of the LRU.
+
+    def update(self, entry: Entry) -> None:
+        """Re-file an entry after its state, leases, pin or dirty flag changed; moves it to the MRU end."""
+        k = (entry.ns, entry.key)
+        if self.entries.get(k) is not entry:
+            return  # removed already (a failed fill); late lease releases must not resurrect it
+        self._set_evictable(entry, False)
+        self._set_evictable(entry, entry.evictable)
+        if entry.dirty and entry.state == READY and not entry.queued:
+            self.dirty.setdefault(k, entry)
+        else:
+            self.dirty.pop(k, None)
+
+    def touch(self, entry: Entry) -> None:
+        lru = self._lru.get(entry.cls)
+        k = (entry.ns, entry.key)
+        if lru is not None and k in lru:
+            lru.move_to_end(k)
+
+    def lease(self, entry: Entry) -> None:
+        entry.leases += 1
+        if entry.leases == 1:
+            self.update(entry)
+
+    def unlease(self, entry: Entry) -> None:
+        entry.leases -= 1
+        if entry.leases == 0:
+            self.update(entry)
+
+    def _set_evictable(self, entry: Entry, on: bool) -> None:
+        lru = self._lru.setdefault(entry.cls, OrderedDict())
+        k = (entry.ns, entry.key)
+        if on:
+            lru[k] = entry
+            self.evictable_bytes += entry.cls.slot_bytes
+        elif lru.pop(k, None) is not None:
+            self.evictable_bytes -= entry.cls.slot_bytes
+
+    # Eviction and slab rebalancing.
+
+    def _reclaim(self, cls: SizeClass) -> int | None:
+        share = self.alloc.fair_share(cls)
+        if len(cls.slabs) < share and self._steal_slab(cls, share):
+            return self.alloc.alloc(cls)
+        if self._evict_one(cls):
+            return self.alloc.alloc(cls)
+        if self._steal_slab(cls, share):
+            return self.alloc.alloc(cls)
+        return None
+
+    def _evict_one(self, cls: SizeClass) -> bool:
+        lru = self._lru.get(cls)
+        if not lru:
+            return False
+        _, entry = next(iter(lru.items()))
+        self.remove(entry)
+        self.counters["evictions"] += 1
+        return True
+
+    def _steal_slab(self, cls: SizeClass, share: int) -> bool:
+        """Take a whole slab of evictable pages from the class holding the most slabs above its share."""
+        victims = sorted(
+            (c for c in self.alloc.classes.values() if c is not cls and len(c.slabs) > share),
+            key=lambda c: len(c.slabs),
+            reverse=True,
+        )
+        for victim in victims:
+            lru = self._lru.get(victim)
+            tried: set[int] = set()
+            for entry in list(lru.values())[:_STEAL_CANDIDATES] if lru else ():
+                slab = self.alloc.slab_of(entry.offset)
+                if slab in tried:
+                    continue
+                tried.add(slab)
+                residents = [self._by_offset.get(o) for o in self.alloc.slots_of(slab)]
+                if all(e is None or e.evictable for e in residents):
+                    for e in residents:
+                        if e is not None:
+                            self.remove(e)
+                            self.counters["evictions"] += 1
+                    self.alloc.move_slab(slab, cls)
+                    self.counters["slab_moves"] += 1
+                    return True
+        return False
+
+    def reclaimable_fraction(self) -> float:
+        """Share of the pool that is free or could be evicted now (write-back flushes below a watermark)."""
+        free = len(self.alloc.free_slabs) * self.alloc.slab_bytes
+        free += sum(len(c.free) * c.slot_bytes for c in self.alloc.classes.values())
+        return (free + self.evictable_bytes) / self.alloc.capacity
+
+    def stats(self) -> dict:
+        states = collections.Counter(e.state for e in self.entries.values())
+        return {
+            "pages": len(self.entries),
+            "ready": states[READY],
+            "writing": states[WRITING],
+            "filling": states[FILLING],
+            "dirty": sum(1 for e in self.entries.values() if e.dirty),
+            "pinned": sum(1 for e in self.entries.values() if e.pinned),
+            "leased": sum(1 for e in self.entries.values() if e.leases),
+            "evictable_bytes": self.evictable_bytes,
+            "used_bytes": sum(c.used * c.slot_bytes for c in self.alloc.classes.values()),
+            "capacity_bytes": self.alloc.capacity,
+            **{k: v for k, v in self.counters.items()},
+            "slabs": self.alloc.stats(),
+        }

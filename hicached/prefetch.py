@@ -1,0 +1,150 @@
+"""Prefetch: L3 -> L2 reads on coroutines, by priority, with concurrent fetches of one key merged.
+
+A fetch allocates FILLING entries for the keys that are not in L2 and queues them in batches; a worker
+reads each batch straight into the pool's slots. Leading-prefix semantics: once a key turns out missing,
+batches after it that have not started are dropped, since nobody can use pages after a hole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from collections.abc import Callable
+
+from connectors.base import BackendError, Connector
+
+from .index import FILLING, READY, WRITING, Entry, PageIndex
+from .pool import Pool
+
+log = logging.getLogger("hicached.prefetch")
+
+
+class _Request:
+    __slots__ = ("hole",)
+
+    def __init__(self) -> None:
+        self.hole = 1 << 62  # position of the first key known to be missing
+
+
+class Prefetcher:
+    def __init__(
+        self,
+        index: PageIndex,
+        pool: Pool,
+        connector: Callable[[], Connector | None],
+        counters: collections.Counter[str],
+        concurrency: int,
+        batch_pages: int,
+        queue_pages: int,
+        operation_timeout: float,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.connector = connector
+        self.counters = counters
+        self.concurrency = concurrency
+        self.batch_pages = batch_pages
+        self.queue_pages = queue_pages
+        self.operation_timeout = operation_timeout
+        self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
+        self._seq = itertools.count()
+        self.pending = 0  # pages queued or being read
+        self._workers: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._workers = [
+            asyncio.create_task(self._worker(), name=f"prefetch-{i}") for i in range(self.concurrency)
+        ]
+
+    async def stop(self) -> None:
+        for t in self._workers:
+            t.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+        while not self._queue.empty():
+            _, _, _, _, batch = self._queue.get_nowait()
+            self._finish(batch, [False] * len(batch))
+
+    def fetch(self, ns: str, keys: list[str], page_bytes: int, priority: int) -> list[Entry]:
+        """Entries for the leading `keys` that are in L2 or are now being read from L3 (FILLING, with a
+        future). Stops at a key being written by an engine, at a full pool and at the queue bound."""
+        if self.connector() is None:
+            return []
+        out: list[Entry] = []
+        new: list[tuple[int, Entry]] = []
+        for pos, key in enumerate(keys):
+            entry = self.index.get(ns, key)
+            if entry is None:
+                if self.pending + len(new) >= self.queue_pages:
+                    self.counters["prefetch.dropped"] += len(keys) - pos
+                    break
+                entry = self.index.allocate(ns, key, page_bytes, FILLING)
+                if entry is None:
+                    self.counters["prefetch.no_space"] += len(keys) - pos
+                    break
+                entry.fill = asyncio.get_running_loop().create_future()
+                self.index.lease(entry)  # held by the fetch until the read ends
+                new.append((pos, entry))
+            elif entry.state == WRITING:
+                break
+            out.append(entry)
+        if new:
+            req = _Request()
+            self.pending += len(new)
+            for i in range(0, len(new), self.batch_pages):
+                batch = new[i : i + self.batch_pages]
+                self._queue.put_nowait((-priority, next(self._seq), ns, req, batch))
+        return out
+
+    async def _worker(self) -> None:
+        while True:
+            _, _, ns, req, batch = await self._queue.get()
+            try:
+                if batch[0][0] > req.hole:
+                    self.counters["prefetch.skipped_after_hole"] += len(batch)
+                    self._finish(batch, [False] * len(batch))
+                    continue
+                ok = await self._read(ns, [e for _, e in batch])
+                for (pos, _), good in zip(batch, ok, strict=True):
+                    if not good:
+                        req.hole = min(req.hole, pos)
+                        break
+                self._finish(batch, ok)
+            except asyncio.CancelledError:
+                self._finish(batch, [False] * len(batch))
+                raise
+            except Exception:
+                log.exception("prefetch worker failed on a batch of %d pages; treated as misses", len(batch))
+                self._finish(batch, [False] * len(batch))
+
+    async def _read(self, ns: str, entries: list[Entry]) -> list[bool]:
+        connector = self.connector()
+        if connector is None:
+            return [False] * len(entries)
+        views = [self.pool.slot(e.offset, e.size) for e in entries]
+        try:
+            async with asyncio.timeout(self.operation_timeout):
+                return await connector.get_into(ns, [e.key for e in entries], views)
+        except TimeoutError:
+            self.counters["prefetch.errors.timeout"] += 1
+        except BackendError as e:
+            self.counters[f"prefetch.errors.{e.reason}"] += 1
+        return [False] * len(entries)
+
+    def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool]) -> None:
+        self.pending -= len(batch)
+        for (_, entry), good in zip(batch, ok, strict=True):
+            if good:
+                entry.state = READY
+                entry.in_l3 = True
+                self.counters["prefetch.pages"] += 1
+                self.counters["prefetch.bytes"] += entry.size
+            else:
+                self.counters["prefetch.misses"] += 1
+                self.index.remove(entry)
+            self.index.unlease(entry)
+            if entry.fill is not None and not entry.fill.done():
+                entry.fill.set_result(good)
+            entry.fill = None

@@ -1,0 +1,122 @@
+"""The wire protocol, without I/O: length-prefixed msgpack frames and the shape of requests and answers.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack. A request is a map with an
+integer `id`, a string `op` and the op's arguments; its answer carries the same `id` and either the result
+fields or `error: {code, message}`. Several requests may be in flight on one connection; answers come back
+in any order. Page bytes never travel here: they live in shared memory.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from .errors import HicachedError
+
+VERSION = 1
+LENGTH = struct.Struct(">I")
+MAX_FRAME_HARD = 1 << 31
+
+OPS = frozenset(
+    {
+        "hello",
+        "exists",
+        "alloc",
+        "commit",
+        "abort",
+        "acquire",
+        "release",
+        "prefetch",
+        "wait",
+        "pin",
+        "unpin",
+        "stats",
+        "status",
+        "flush",
+    }
+)
+
+# Status of each key in an `alloc` answer.
+ALLOC_WRITE = 0  # write the page at the offset given, then commit
+ALLOC_PRESENT = 1  # the daemon has (or is receiving) this page: nothing to write
+ALLOC_NO_SPACE = 2  # no slot could be freed
+ALLOC_BUSY = 3  # backup queue full: try later
+
+
+class FrameError(Exception):
+    """A frame that cannot be read: the connection it came on is closed."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    return LENGTH.pack(len(body)) + body
+
+
+def error_answer(rid: int, code: str, message: str) -> dict[str, Any]:
+    return {"id": rid, "error": {"code": code, "message": message}}
+
+
+class FrameDecoder:
+    """Feed bytes in, take whole decoded messages out."""
+
+    def __init__(self, max_frame: int) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buf += data
+        out = []
+        buf = self._buf
+        pos = 0
+        while len(buf) - pos >= 4:
+            (n,) = LENGTH.unpack_from(buf, pos)
+            if n > self.max_frame:
+                raise FrameError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+            if len(buf) - pos - 4 < n:
+                break
+            body = bytes(buf[pos + 4 : pos + 4 + n])
+            pos += 4 + n
+            try:
+                out.append(msgpack.unpackb(body, raw=False, strict_map_key=True))
+            except Exception as e:
+                raise FrameError(f"frame is not valid msgpack: {e}") from None
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def raise_for_error(answer: dict[str, Any]) -> dict[str, Any]:
+    """The answer itself, or the HicachedError it carries."""
+    err = answer.get("error")
+    if err is not None:
+        if isinstance(err, dict):
+            raise HicachedError(str(err.get("code", "internal")), str(err.get("message", "")))
+        raise HicachedError("internal", repr(err))
+    return answer
+
+
+# Argument checks shared by the server's handlers: they raise bad_request with a message naming the field.
+
+
+def arg(req: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    value = req.get(name, default)
+    if value is ...:
+        raise HicachedError("bad_request", f"missing field {name!r}")
+    if value is default and default is not ...:
+        return value
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
+        raise HicachedError("bad_request", f"field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def keys_arg(req: dict[str, Any], limit: int) -> list[str]:
+    keys = arg(req, "keys", list)
+    if len(keys) > limit:
+        raise HicachedError("bad_request", f"{len(keys)} keys in one request; the limit is {limit}")
+    return keys

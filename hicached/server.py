@@ -1,0 +1,358 @@
+"""The Unix-socket server: admits engines by uid/gid, hands them the pool's fd, and answers requests.
+
+Each accepted socket is checked with SO_PEERCRED, sent a welcome frame carrying the pool's memfd
+(SCM_RIGHTS, before the socket is wrapped in a transport, which cannot pass fds), then served by a
+Connection protocol. Requests that need no waiting are answered inline; the others run as tasks, several
+per connection. A frame that cannot be read closes its connection only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from config import Config, resolve_path
+
+from . import protocol
+from .errors import BAD_REQUEST, BUSY, DRAINING, INTERNAL, UNAUTHORIZED, HicachedError
+from .keys import check_keys, check_namespace
+from .protocol import arg, keys_arg
+from .tiers import Session, Tiers
+
+log = logging.getLogger("hicached.server")
+
+Handler = Callable[[Session, dict[str, Any]], Any]
+
+
+class Server:
+    def __init__(self, cfg: Config, tiers: Tiers, control: dict[str, Handler] | None = None) -> None:
+        self.cfg = cfg
+        self.tiers = tiers
+        self.path = resolve_path(cfg, cfg.server.socket)
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self.refused = 0
+        self._lsock: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._admitting: set[asyncio.Task[Any]] = set()
+        self.handlers: dict[str, Handler] = self._engine_handlers()
+        self.handlers.update(control or {})
+
+    # Lifecycle.
+
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on the configured path, or on `sock` when one was handed over (socket activation)."""
+        self._lsock = sock if sock is not None else self._bind()
+        self._lsock.setblocking(False)
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
+        log.info("listening on %s", self.path)
+
+    def stop_accepting(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        if self._lsock is not None:
+            self._lsock.close()
+            self._lsock = None
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                    os.unlink(self.path)
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting, answer what is in flight (bounded by `timeout`), then close every connection."""
+        self.draining = True
+        self.stop_accepting()
+        if self._accept_task is not None:
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        for t in list(self._admitting):
+            t.cancel()
+        await asyncio.gather(*self._admitting, return_exceptions=True)
+        pending = [t for c in self.connections for t in c.tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for c in list(self.connections):
+            c.close()
+        await asyncio.sleep(0)
+
+    def _bind(self) -> socket.socket:
+        path = self.path
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        self._remove_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The umask around bind gives the socket its mode from the start; a chmod afterwards would leave
+        # a window in which it has the default mode.
+        old = os.umask(0o777 & ~self.cfg.server.socket_mode)
+        try:
+            sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        sock.listen(min(self.cfg.server.max_connections, socket.SOMAXCONN))
+        return sock
+
+    @staticmethod
+    def _remove_stale(path: str) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # a socket nobody listens on: left by a daemon that died
+            log.info("removed stale socket %s", path)
+            return
+        finally:
+            probe.close()
+        raise RuntimeError(f"another daemon is listening on {path}")
+
+    # Admission.
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._lsock)
+            except OSError as e:
+                log.warning("accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._admit(sock))
+            self._admitting.add(task)
+            task.add_done_callback(self._admitting.discard)
+
+    def _allowed(self, uid: int, gid: int) -> bool:
+        uids, gids = self.cfg.server.allowed_uids, self.cfg.server.allowed_gids
+        if not uids and not gids:
+            return uid in (os.getuid(), 0)
+        return uid in uids or gid in gids
+
+    async def _admit(self, sock: socket.socket) -> None:
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, gid = struct.unpack("3i", creds)
+            peer = f"pid={pid} uid={uid} gid={gid}"
+            if not self._allowed(uid, gid):
+                self.refused += 1
+                log.warning(
+                    "refused connection from %s: uid/gid not in server.allowed_uids/allowed_gids", peer
+                )
+                self._refuse(sock, UNAUTHORIZED, f"uid {uid} / gid {gid} may not use this daemon")
+                return
+            if self.draining:
+                self._refuse(sock, DRAINING, "the daemon is shutting down")
+                return
+            if len(self.connections) >= self.cfg.server.max_connections:
+                self._refuse(sock, BUSY, "too many connections (server.max_connections)")
+                return
+            welcome = protocol.encode(
+                {
+                    "id": 0,
+                    "version": protocol.VERSION,
+                    "pool_bytes": self.tiers.pool.size,
+                    "max_frame": self.cfg.server.max_frame,
+                    "max_keys": self.cfg.server.max_keys_per_request,
+                    "pid": os.getpid(),
+                }
+            )
+            socket.send_fds(sock, [welcome], [self.tiers.pool.fd])
+            loop = asyncio.get_running_loop()
+            await loop.connect_accepted_socket(lambda: Connection(self, Session(peer=peer)), sock=sock)
+        except Exception as e:
+            log.warning("could not admit a connection: %s", e)
+            sock.close()
+
+    @staticmethod
+    def _refuse(sock: socket.socket, code: str, message: str) -> None:
+        with contextlib.suppress(OSError):
+            sock.send(protocol.encode(protocol.error_answer(0, code, message)))
+        sock.close()
+
+    # Engine requests.
+
+    def _engine_handlers(self) -> dict[str, Handler]:
+        t = self.tiers
+        limit = self.cfg.server.max_keys_per_request
+
+        def keys(s: Session, req: dict[str, Any]) -> list[str]:
+            s.require_hello()
+            try:
+                return list(check_keys(keys_arg(req, limit)))
+            except ValueError as e:
+                raise HicachedError(BAD_REQUEST, str(e)) from None
+
+        def hello(s: Session, req: dict[str, Any]) -> dict:
+            try:
+                ns = check_namespace(arg(req, "namespace", str))
+            except ValueError as e:
+                raise HicachedError(BAD_REQUEST, str(e)) from None
+            return t.hello(s, ns, arg(req, "page_bytes", int))
+
+        async def exists(s: Session, req: dict[str, Any]) -> dict:
+            return {"n": await t.exists(s, keys(s, req))}
+
+        def alloc(s: Session, req: dict[str, Any]) -> dict:
+            status, offsets = t.alloc(s, keys(s, req))
+            return {"status": status, "offsets": offsets}
+
+        async def acquire(s: Session, req: dict[str, Any]) -> dict:
+            lease, offsets = await t.acquire(s, keys(s, req), arg(req, "fetch", bool, True))
+            return {"lease": lease, "offsets": offsets}
+
+        def release(s: Session, req: dict[str, Any]) -> dict:
+            t.release(s, arg(req, "lease", int))
+            return {}
+
+        def prefetch(s: Session, req: dict[str, Any]) -> dict:
+            return {"handle": t.prefetch(s, keys(s, req), arg(req, "priority", int, 0))}
+
+        async def wait(s: Session, req: dict[str, Any]) -> dict:
+            timeout = arg(req, "timeout", (int, float), None)
+            if timeout is not None and timeout < 0:
+                raise HicachedError(BAD_REQUEST, "timeout cannot be negative")
+            return {"n": await t.wait(s, arg(req, "handle", int), timeout)}
+
+        def status(s: Session, req: dict[str, Any]) -> dict:
+            return self.status()
+
+        def stats(s: Session, req: dict[str, Any]) -> dict:
+            return self.stats()
+
+        return {
+            "hello": hello,
+            "exists": exists,
+            "alloc": alloc,
+            "commit": lambda s, req: {"ok": t.commit(s, keys(s, req))},
+            "abort": lambda s, req: {"n": t.abort(s, keys(s, req))},
+            "acquire": acquire,
+            "release": release,
+            "prefetch": prefetch,
+            "wait": wait,
+            "pin": lambda s, req: {"n": t.pin(s, keys(s, req))},
+            "unpin": lambda s, req: {"n": t.unpin(s, keys(s, req))},
+            "status": status,
+            "stats": stats,
+        }
+
+    def status(self) -> dict:
+        pool = self.tiers.index
+        return {
+            "pid": os.getpid(),
+            "socket": self.path,
+            "backend": self.tiers.connector.name if self.tiers.connector else "none",
+            "write_policy": self.cfg.storage.write_policy,
+            "connections": len(self.connections),
+            "pages": len(pool.entries),
+            "capacity_bytes": pool.alloc.capacity,
+            "used_bytes": sum(c.used * c.slot_bytes for c in pool.alloc.classes.values()),
+            "backup_pending": self.tiers.backup.pending,
+            "draining": self.draining,
+        }
+
+    def stats(self) -> dict:
+        out = self.tiers.stats()
+        out["server"] = {"connections": len(self.connections), "refused": self.refused}
+        return out
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: Server, session: Session) -> None:
+        self.server = server
+        self.session = session
+        self.decoder = protocol.FrameDecoder(server.cfg.server.max_frame)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.transport: asyncio.Transport | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        for t in self.tasks:
+            t.cancel()
+        self.server.tiers.close_session(self.session)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = self.decoder.feed(data)
+        except protocol.FrameError as e:
+            log.warning("closing connection from %s: %s", self.session.peer, e)
+            self.transport.abort()
+            return
+        for msg in messages:
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
+            log.warning("closing connection from %s: a request without an integer id", self.session.peer)
+            self.transport.abort()
+            return
+        rid = msg["id"]
+        op = msg.get("op")
+        handler = self.server.handlers.get(op) if isinstance(op, str) else None
+        if handler is None:
+            self._send(protocol.error_answer(rid, BAD_REQUEST, f"unknown op {op!r}"))
+            return
+        if self.server.draining and op not in ("status", "stats"):
+            self._send(protocol.error_answer(rid, DRAINING, "the daemon is shutting down"))
+            return
+        try:
+            result = handler(self.session, msg)
+        except Exception as e:
+            self._send(self._error(rid, op, e))
+            return
+        if isinstance(result, Awaitable):
+            task = asyncio.ensure_future(self._finish(rid, op, result))
+            self.tasks.add(task)
+            task.add_done_callback(self._task_done)
+            if len(self.tasks) >= self.server.cfg.server.max_inflight_per_connection and not self._paused:
+                self._paused = True
+                self.transport.pause_reading()
+        else:
+            result["id"] = rid
+            self._send(result)
+
+    async def _finish(self, rid: int, op: str, coro: Awaitable[dict]) -> None:
+        try:
+            result = await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._send(self._error(rid, op, e))
+            return
+        result["id"] = rid
+        self._send(result)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self._paused and len(self.tasks) < self.server.cfg.server.max_inflight_per_connection:
+            self._paused = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    def _error(self, rid: int, op: str, e: Exception) -> dict:
+        if isinstance(e, HicachedError):
+            return protocol.error_answer(rid, e.code, e.message)
+        log.exception("internal error answering %s from %s", op, self.session.peer)
+        return protocol.error_answer(rid, INTERNAL, f"internal error in {op}: {type(e).__name__}: {e}")
+
+    def _send(self, message: dict) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(protocol.encode(message))

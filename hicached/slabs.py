@@ -1,0 +1,111 @@
+"""Slab allocator in the spirit of memcached: the pool is cut into equal slabs, each slab is given to one
+size class and cut into slots of that class's size. Pure bookkeeping over offsets; no memory is touched."""
+
+from __future__ import annotations
+
+ALIGN = 4096
+
+
+def slot_size(page_bytes: int) -> int:
+    """Slot size of a page: rounded up to 4 KiB, so pages stay page-aligned for direct I/O and DMA."""
+    return (page_bytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+class SizeClass:
+    __slots__ = ("slot_bytes", "per_slab", "slabs", "free", "used")
+
+    def __init__(self, slot_bytes: int, slab_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.per_slab = slab_bytes // slot_bytes
+        self.slabs: set[int] = set()
+        self.free: list[int] = []  # free slot offsets, used as a stack
+        self.used = 0
+
+
+class SlabAllocator:
+    def __init__(self, capacity: int, slab_bytes: int) -> None:
+        if slab_bytes % ALIGN or slab_bytes <= 0:
+            raise ValueError("slab size must be a positive multiple of 4KiB")
+        self.slab_bytes = slab_bytes
+        self.nslabs = capacity // slab_bytes
+        if self.nslabs < 1:
+            raise ValueError("capacity must hold at least one slab")
+        self.capacity = self.nslabs * slab_bytes
+        self.free_slabs = list(range(self.nslabs - 1, -1, -1))
+        self.classes: dict[int, SizeClass] = {}
+        self._owner: list[SizeClass | None] = [None] * self.nslabs
+
+    def size_class(self, slot_bytes: int) -> SizeClass:
+        cls = self.classes.get(slot_bytes)
+        if cls is None:
+            if slot_bytes > self.slab_bytes:
+                raise ValueError(f"page of {slot_bytes} bytes is larger than a slab ({self.slab_bytes})")
+            cls = self.classes[slot_bytes] = SizeClass(slot_bytes, self.slab_bytes)
+        return cls
+
+    def alloc(self, cls: SizeClass) -> int | None:
+        """A free slot of `cls`, taking a free slab if needed; None when neither is left."""
+        if not cls.free and not self._grow(cls):
+            return None
+        cls.used += 1
+        return cls.free.pop()
+
+    def free(self, cls: SizeClass, offset: int) -> None:
+        cls.used -= 1
+        cls.free.append(offset)
+
+    def _grow(self, cls: SizeClass) -> bool:
+        if not self.free_slabs:
+            return False
+        slab = self.free_slabs.pop()
+        self._assign(slab, cls)
+        return True
+
+    def _assign(self, slab: int, cls: SizeClass) -> None:
+        self._owner[slab] = cls
+        cls.slabs.add(slab)
+        base = slab * self.slab_bytes
+        # Pushed in reverse so slots are handed out from the start of the slab.
+        cls.free.extend(base + i * cls.slot_bytes for i in range(cls.per_slab - 1, -1, -1))
+
+    def slab_of(self, offset: int) -> int:
+        return offset // self.slab_bytes
+
+    def slots_of(self, slab: int) -> list[int]:
+        cls = self._owner[slab]
+        if cls is None:
+            return []
+        base = slab * self.slab_bytes
+        return [base + i * cls.slot_bytes for i in range(cls.per_slab)]
+
+    def owner(self, slab: int) -> SizeClass | None:
+        return self._owner[slab]
+
+    def move_slab(self, slab: int, to: SizeClass) -> None:
+        """Give a slab whose slots are all free to another class (memcached's slab reassign)."""
+        src = self._owner[slab]
+        if src is not None:
+            slots = set(self.slots_of(slab))
+            before = len(src.free)
+            src.free = [o for o in src.free if o not in slots]
+            if before - len(src.free) != len(slots):
+                raise RuntimeError("slab still has slots in use")
+            src.slabs.discard(slab)
+        self._assign(slab, to)
+
+    def fair_share(self, asking: SizeClass) -> int:
+        """Slabs each active class (those holding slabs, and the one asking) is entitled to before it must
+        evict its own pages rather than take a slab from another class."""
+        active = sum(1 for c in self.classes.values() if c.slabs and c is not asking) + 1
+        return max(1, self.nslabs // active)
+
+    def stats(self) -> dict:
+        return {
+            "slab_bytes": self.slab_bytes,
+            "slabs": self.nslabs,
+            "free_slabs": len(self.free_slabs),
+            "classes": {
+                str(c.slot_bytes): {"slabs": len(c.slabs), "used": c.used, "free": len(c.free)}
+                for c in self.classes.values()
+            },
+        }

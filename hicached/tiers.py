@@ -1,0 +1,376 @@
+"""The tiers: what each request does to L2 (pool + index) and L3 (connector, backup, prefetch).
+
+Engine-facing state lives in a Session per connection (its namespace, leases, slots being written,
+prefetch handles); closing a session releases all of it, whatever the engine did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from config import Config
+from connectors.base import BackendError, Connector
+
+from .backup import Backup
+from .errors import BAD_REQUEST, NOT_FOUND, HicachedError
+from .index import FILLING, READY, WRITING, Entry, PageIndex
+from .pool import Pool
+from .prefetch import Prefetcher
+from .protocol import ALLOC_BUSY, ALLOC_NO_SPACE, ALLOC_PRESENT, ALLOC_WRITE
+from .retry import Backoff
+from .slabs import SlabAllocator, slot_size
+
+log = logging.getLogger("hicached.tiers")
+
+LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
+
+
+@dataclass
+class Handle:
+    entries: list[Entry]
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Session:
+    """One engine connection's view: everything it holds is released by Tiers.close_session."""
+
+    peer: str = ""
+    ns: str = ""
+    page_bytes: int = 0
+    leases: dict[int, list[Entry]] = field(default_factory=dict)
+    writing: dict[str, Entry] = field(default_factory=dict)
+    handles: dict[int, Handle] = field(default_factory=dict)
+    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def require_hello(self) -> None:
+        if not self.ns:
+            raise HicachedError(BAD_REQUEST, "send hello with a namespace and page_bytes first")
+
+
+class Tiers:
+    def __init__(self, cfg: Config, pool: Pool, connector: Connector | None) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.index = PageIndex(SlabAllocator(pool.size, cfg.pool.slab_size))
+        self.connector = connector
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.namespaces: dict[str, int] = {}
+        st = cfg.storage
+        self.backup = Backup(
+            self.index,
+            pool,
+            lambda: self.connector,
+            self.counters,
+            st.backup_concurrency,
+            st.backup_batch_pages,
+            st.backup_queue_pages,
+            Backoff.from_config(st.retry),
+        )
+        self.prefetcher = Prefetcher(
+            self.index,
+            pool,
+            lambda: self.connector,
+            self.counters,
+            st.prefetch_concurrency,
+            st.prefetch_batch_pages,
+            st.prefetch_queue_pages,
+            st.operation_timeout,
+        )
+        self._pressure = asyncio.Event()
+        self._writeback_task: asyncio.Task[None] | None = None
+        self.pinned_bytes = 0
+
+    @property
+    def write_back(self) -> bool:
+        return self.cfg.storage.write_policy == "write_back"
+
+    def start(self) -> None:
+        self.backup.start()
+        self.prefetcher.start()
+        if self.write_back:
+            self._writeback_task = asyncio.create_task(self._writeback_loop(), name="writeback")
+
+    async def stop(self) -> None:
+        if self._writeback_task is not None:
+            self._writeback_task.cancel()
+            await asyncio.gather(self._writeback_task, return_exceptions=True)
+        await self.prefetcher.stop()
+        await self.backup.stop()
+
+    async def flush_dirty(self, timeout: float) -> bool:
+        """Queue every dirty page for L3 and wait for the queue to drain (shutdown, drain)."""
+        if self.connector is None:
+            return not self.index.dirty
+        for entry in list(self.index.dirty.values()):
+            self.backup.submit(entry)
+        return await self.backup.drain(timeout)
+
+    # Sessions.
+
+    def hello(self, s: Session, ns: str, page_bytes: int) -> dict:
+        if page_bytes <= 0 or slot_size(page_bytes) > self.cfg.pool.slab_size:
+            limit = self.cfg.pool.slab_size
+            raise HicachedError(
+                BAD_REQUEST,
+                f"page_bytes must be between 1 and pool.slab_size ({limit}); got {page_bytes}",
+            )
+        known = self.namespaces.setdefault(ns, page_bytes)
+        if known != page_bytes:
+            raise HicachedError(
+                BAD_REQUEST, f"namespace {ns!r} holds pages of {known} bytes, not {page_bytes}"
+            )
+        s.ns, s.page_bytes = ns, page_bytes
+        return {"slot_bytes": slot_size(page_bytes)}
+
+    def close_session(self, s: Session) -> None:
+        for entries in s.leases.values():
+            for e in entries:
+                self.index.unlease(e)
+        s.leases.clear()
+        for h in s.handles.values():
+            for e in h.entries:
+                self.index.unlease(e)
+        s.handles.clear()
+        for e in s.writing.values():
+            self.index.unlease(e)
+            self.index.remove(e)
+        s.writing.clear()
+
+    # Store: alloc -> engine writes the bytes -> commit.
+
+    def alloc(self, s: Session, keys: list[str]) -> tuple[list[int], list[int]]:
+        status, offsets = [], []
+        through = self.connector is not None and not self.write_back
+        for key in keys:
+            entry = self.index.get(s.ns, key)
+            if entry is not None:
+                if entry.state == READY:
+                    self.index.touch(entry)
+                status.append(ALLOC_PRESENT)
+                offsets.append(-1)
+                continue
+            if through and self.backup.pending + len(s.writing) >= self.backup.queue_pages:
+                self.counters["store.busy"] += 1
+                status.append(ALLOC_BUSY)
+                offsets.append(-1)
+                continue
+            entry = self.index.allocate(s.ns, key, s.page_bytes, WRITING)
+            if entry is None:
+                self.counters["store.no_space"] += 1
+                if self.write_back:
+                    self._pressure.set()
+                status.append(ALLOC_NO_SPACE)
+                offsets.append(-1)
+                continue
+            self.index.lease(entry)
+            s.writing[key] = entry
+            status.append(ALLOC_WRITE)
+            offsets.append(entry.offset)
+        return status, offsets
+
+    def commit(self, s: Session, keys: list[str]) -> list[bool]:
+        out = []
+        for key in keys:
+            entry = s.writing.pop(key, None)
+            if entry is None:
+                out.append(False)
+                continue
+            entry.state = READY
+            entry.dirty = self.connector is not None
+            self.index.unlease(entry)
+            if entry.dirty and not self.write_back:
+                self.backup.submit(entry)
+            self.counters["store.pages"] += 1
+            self.counters["store.bytes"] += entry.size
+            out.append(True)
+        if self.write_back and self.index.reclaimable_fraction() < self.cfg.pool.writeback_low_watermark:
+            self._pressure.set()
+        return out
+
+    def abort(self, s: Session, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            entry = s.writing.pop(key, None)
+            if entry is not None:
+                self.index.unlease(entry)
+                self.index.remove(entry)
+                n += 1
+        return n
+
+    # Lookup and load.
+
+    def _leading_l2(self, ns: str, keys: list[str]) -> list[Entry]:
+        out = []
+        for key in keys:
+            entry = self.index.get(ns, key)
+            if entry is None or entry.state == WRITING:
+                break
+            out.append(entry)
+        return out
+
+    async def exists(self, s: Session, keys: list[str]) -> int:
+        n = len(self._leading_l2(s.ns, keys))
+        self.counters["lookup.l2_hits"] += n
+        if n < len(keys) and self.connector is not None:
+            try:
+                async with asyncio.timeout(self.cfg.storage.operation_timeout):
+                    more = await self.connector.exists(s.ns, keys[n:])
+            except (BackendError, TimeoutError) as e:
+                self.counters[f"lookup.l3_errors.{getattr(e, 'reason', 'timeout')}"] += 1
+                more = 0
+            self.counters["lookup.l3_hits"] += more
+            n += more
+        self.counters["lookup.misses"] += len(keys) > n
+        return n
+
+    async def acquire(self, s: Session, keys: list[str], fetch: bool) -> tuple[int, list[int]]:
+        """Leases the leading pages present in L2 (reading missing ones from L3 first when `fetch`);
+        returns a lease id and their offsets."""
+        entries = self._leading_l2(s.ns, keys)
+        if fetch and len(entries) < len(keys):
+            entries += self.prefetcher.fetch(s.ns, keys[len(entries) :], s.page_bytes, LOAD_PRIORITY)
+        for e in entries:
+            self.index.lease(e)
+        try:
+            await self._settle(entries, self.cfg.server.request_timeout)
+        except BaseException:  # the connection went away while we waited: give the leases back
+            for e in entries:
+                self.index.unlease(e)
+            raise
+        n = self._leading_ready(entries)
+        for e in entries[n:]:
+            self.index.unlease(e)
+        self.counters["load.pages"] += n
+        self.counters["load.misses"] += len(keys) > n
+        if n == 0:
+            return 0, []
+        lease = next(s.ids)
+        s.leases[lease] = entries[:n]
+        return lease, [e.offset for e in entries[:n]]
+
+    def release(self, s: Session, lease: int) -> None:
+        entries = s.leases.pop(lease, None)
+        if entries is None:
+            raise HicachedError(NOT_FOUND, f"no lease {lease} on this connection")
+        for e in entries:
+            self.index.unlease(e)
+
+    # Prefetch.
+
+    def prefetch(self, s: Session, keys: list[str], priority: int) -> int:
+        if len(s.handles) >= self.cfg.server.max_prefetch_handles_per_connection:
+            raise HicachedError(
+                "busy", "too many prefetch handles not waited on (server.max_prefetch_handles_per_connection)"
+            )
+        entries = self._leading_l2(s.ns, keys)
+        if len(entries) < len(keys):
+            entries += self.prefetcher.fetch(s.ns, keys[len(entries) :], s.page_bytes, priority)
+        for e in entries:
+            self.index.lease(e)
+        handle = next(s.ids)
+        s.handles[handle] = Handle(entries)
+        return handle
+
+    async def wait(self, s: Session, handle: int, timeout: float | None) -> int:
+        h = s.handles.get(handle)
+        if h is None:
+            raise HicachedError(NOT_FOUND, f"no prefetch handle {handle} on this connection")
+        pf = self.cfg.storage.prefetch
+        if timeout is None:
+            if pf.policy == "best_effort":
+                timeout = 0.0
+            elif pf.policy == "wait_complete":
+                timeout = self.cfg.server.request_timeout
+            else:
+                filling = sum(1 for e in h.entries if e.state == FILLING)
+                timeout = pf.timeout_base + pf.timeout_per_page * filling
+        timeout = min(timeout, self.cfg.server.request_timeout)
+        try:
+            await self._settle(h.entries, timeout)
+            return self._leading_ready(h.entries)
+        finally:
+            if s.handles.pop(handle, None) is not None:
+                for e in h.entries:
+                    self.index.unlease(e)
+
+    async def _settle(self, entries: list[Entry], timeout: float) -> None:
+        futures = [e.fill for e in entries if e.state == FILLING and e.fill is not None]
+        if futures and timeout > 0:
+            await asyncio.wait(futures, timeout=timeout)
+
+    def _leading_ready(self, entries: list[Entry]) -> int:
+        n = 0
+        for e in entries:
+            if e.state != READY or not self.index.live(e):
+                break
+            n += 1
+        return n
+
+    # Pins.
+
+    def pin(self, s: Session, keys: list[str]) -> int:
+        limit = self.cfg.pool.max_pinned_fraction * self.index.alloc.capacity
+        n = 0
+        for key in keys:
+            entry = self.index.get(s.ns, key)
+            if entry is None or entry.state != READY:
+                continue
+            if not entry.pinned:
+                if self.pinned_bytes + entry.cls.slot_bytes > limit:
+                    raise HicachedError(
+                        "no_space", f"pinning more would exceed pool.max_pinned_fraction; {n} pages pinned"
+                    )
+                entry.pinned = True
+                self.pinned_bytes += entry.cls.slot_bytes
+                self.index.update(entry)
+            n += 1
+        return n
+
+    def unpin(self, s: Session, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            entry = self.index.get(s.ns, key)
+            if entry is not None and entry.pinned:
+                entry.pinned = False
+                self.pinned_bytes -= entry.cls.slot_bytes
+                self.index.update(entry)
+                n += 1
+        return n
+
+    # Write-back.
+
+    async def _writeback_loop(self) -> None:
+        mark = self.cfg.pool.writeback_low_watermark
+        step = self.cfg.storage.backup_batch_pages * self.cfg.storage.backup_concurrency
+        while True:
+            await self._pressure.wait()
+            self._pressure.clear()
+            if self.connector is None:
+                continue
+            while self.index.dirty and self.index.reclaimable_fraction() < mark or self._no_room():
+                for entry in list(itertools.islice(self.index.dirty.values(), step)):
+                    self.backup.submit(entry)
+                await self.backup.drain(self.cfg.storage.operation_timeout)
+                if not self.index.dirty:
+                    break
+
+    def _no_room(self) -> bool:
+        return bool(self.index.dirty) and self.index.evictable_bytes == 0 and not self.index.alloc.free_slabs
+
+    def stats(self) -> dict:
+        return {
+            "pool": self.index.stats(),
+            "counters": dict(self.counters),
+            "backup": {"pending": self.backup.pending, "inflight": self.backup.inflight},
+            "prefetch": {"pending": self.prefetcher.pending},
+            "pinned_bytes": self.pinned_bytes,
+            "namespaces": dict(self.namespaces),
+            "backend": self.connector.name if self.connector else "none",
+            "backend_counters": dict(self.connector.counters) if self.connector else {},
+        }

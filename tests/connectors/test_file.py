@@ -1,0 +1,393 @@
+"""The file connector against a real directory: round trips, leading-prefix exists, corruption, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import glob
+import os
+import stat
+import threading
+
+import pytest
+
+import config
+from connectors import BackendUnavailable, build, header
+from connectors.file import FileConnector
+
+NS = "llama-3.1-8b.bf16.p64.tp0of1"
+KiB, MiB = 1024, 1024 * 1024
+
+
+def make(tmp_path, **file_cfg) -> FileConnector:
+    storage = {"backend": "file", "file": {"root": "data", **file_cfg}}
+    if "operation_timeout" in file_cfg:
+        storage["operation_timeout"] = storage["file"].pop("operation_timeout")
+    cfg = config.from_dict({"storage": storage}, base_dir=str(tmp_path))
+    return FileConnector(cfg)
+
+
+@contextlib.asynccontextmanager
+async def started(tmp_path, **file_cfg):
+    conn = make(tmp_path, **file_cfg)
+    await conn.start()
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def key(i: int) -> str:
+    return f"{i:064x}"
+
+
+def page(i: int, size: int) -> memoryview:
+    return memoryview(((i.to_bytes(4, "little") + bytes(range(251))) * (size // 255 + 1))[:size])
+
+
+def path_of(conn: FileConnector, k: str, ns: str = NS) -> str:
+    return os.path.join(conn.root, ns, k[0:2], k[2:4], k)
+
+
+# Blocking checks of the tree, kept out of the async tests themselves.
+def exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def is_file(path: str) -> bool:
+    return os.path.isfile(path)
+
+
+def size_of(path: str) -> int:
+    return os.path.getsize(path)
+
+
+def write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def no_temp_files(conn: FileConnector) -> bool:
+    return not glob.glob(os.path.join(conn.root, "**", ".*.tmp"), recursive=True)
+
+
+@pytest.mark.parametrize("size", [4 * KiB, 256 * KiB, 8 * MiB])
+async def test_round_trip(tmp_path, size: int) -> None:
+    async with started(tmp_path) as conn:
+        keys = [key(i) for i in range(3)]
+        pages = [page(i, size) for i in range(3)]
+        assert await conn.put(NS, keys, pages) == [True] * 3
+        bufs = [memoryview(bytearray(size)) for _ in keys]
+        assert await conn.get_into(NS, keys, bufs) == [True] * 3
+        assert bufs == pages
+        assert size_of(path_of(conn, keys[0])) == header.HEADER_SIZE + size
+        assert conn.counters["bytes_written"] == conn.counters["bytes_read"] == 3 * size
+        assert (conn.counters["puts"], conn.counters["gets"], conn.counters["hits"]) == (3, 3, 3)
+        assert no_temp_files(conn)
+
+
+async def test_registry_builds_it_and_probe_works(tmp_path) -> None:
+    cfg = config.from_dict({"storage": {"file": {"root": "data"}}}, base_dir=str(tmp_path))
+    conn = build(cfg)
+    assert isinstance(conn, FileConnector) and conn.name == "file"
+    assert conn.capabilities.persistent and not conn.capabilities.shared
+    await conn.start()
+    try:
+        await conn.probe()
+        assert not glob.glob(os.path.join(conn.root, "_hicached_probe", "**", "probe"), recursive=True)
+    finally:
+        await conn.close()
+    await conn.close()  # idempotent
+
+
+async def test_root_is_private_whatever_the_umask(tmp_path) -> None:
+    old = os.umask(0o277)
+    try:
+        conn = make(tmp_path, root="a/b/cache")
+        await conn.start()
+    finally:
+        os.umask(old)
+    try:
+        assert conn.root == str(tmp_path / "a" / "b" / "cache")
+        assert stat.S_IMODE(os.stat(conn.root).st_mode) == 0o700
+        assert await conn.put(NS, [key(1)], [page(1, 4 * KiB)]) == [True]
+    finally:
+        await conn.close()
+
+
+async def test_short_keys_and_layout(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        assert await conn.put(NS, ["a", "abcde"], [page(1, 100), page(2, 100)]) == [True, True]
+        assert is_file(os.path.join(conn.root, NS, "a_", "__", "a"))
+        assert is_file(os.path.join(conn.root, NS, "ab", "cd", "abcde"))
+        assert await conn.exists(NS, ["a", "abcde"]) == 2
+
+
+async def test_exists_counts_the_leading_prefix(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        keys = [key(i) for i in range(6)]
+        present = [0, 1, 2, 4, 5]  # hole at 3
+        await conn.put(NS, [keys[i] for i in present], [page(i, 4 * KiB) for i in present])
+        assert await conn.exists(NS, keys) == 3
+        assert await conn.exists(NS, keys[4:]) == 2
+        assert await conn.exists(NS, keys[3:]) == 0
+        assert await conn.exists(NS, []) == 0
+        assert await conn.exists("other-namespace", keys) == 0
+        # A file too short to hold a header is not a page.
+        write_file(path_of(conn, keys[3]), b"")
+        assert await conn.exists(NS, keys) == 3
+
+
+async def test_delete_counts_what_it_removed(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        keys = [key(i) for i in range(3)]
+        await conn.put(NS, keys[:2], [page(0, 100), page(1, 100)])
+        assert await conn.delete(NS, keys) == 2
+        assert await conn.delete(NS, keys) == 0
+        assert await conn.exists(NS, keys) == 0
+        assert conn.counters["deletes"] == 2
+
+
+async def test_missing_page_is_a_miss(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        await conn.put(NS, [key(0)], [page(0, 4 * KiB)])
+        bufs = [memoryview(bytearray(4 * KiB)) for _ in range(2)]
+        assert await conn.get_into(NS, [key(0), key(1)], bufs) == [True, False]
+        assert (conn.counters["hits"], conn.counters["misses"]) == (1, 1)
+        assert not any(k.startswith("corrupt.") for k in conn.counters)
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _truncate(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) - 1)
+
+
+def _empty(path: str) -> None:
+    os.truncate(path, 0)
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p: _flip(p, header.HEADER_SIZE + 1234), "checksum"),
+        (lambda p: _flip(p, 0), "magic"),
+        (lambda p: _flip(p, 9), "length"),
+        (lambda p: _flip(p, 17), "checksum"),
+        (lambda p: _flip(p, 25), "key"),
+        (_truncate, "length"),
+        (_empty, "short"),
+    ],
+    ids=["payload-byte", "magic", "length-field", "checksum-field", "key-tag", "truncated", "zero-length"],
+)
+async def test_corrupt_page_is_a_counted_miss_and_removed(tmp_path, damage, reason: str) -> None:
+    async with started(tmp_path) as conn:
+        k = key(7)
+        await conn.put(NS, [k], [page(7, 64 * KiB)])
+        damage(path_of(conn, k))
+        buf = memoryview(bytearray(64 * KiB))
+        assert await conn.get_into(NS, [k], [buf]) == [False]
+        assert conn.counters[f"corrupt.{reason}"] == 1
+        assert conn.counters["misses"] == 1 and conn.counters["hits"] == 0
+        assert not is_file(path_of(conn, k))
+        assert await conn.exists(NS, [k]) == 0
+
+
+async def test_page_renamed_to_another_key_is_a_miss(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        a, b = key(1), key(2)
+        await conn.put(NS, [a, b], [page(1, 4 * KiB), page(2, 4 * KiB)])
+        os.rename(path_of(conn, a), path_of(conn, b))
+        buf = memoryview(bytearray(4 * KiB))
+        assert await conn.get_into(NS, [b], [buf]) == [False]
+        assert conn.counters["corrupt.key"] == 1
+        assert not is_file(path_of(conn, b))
+
+
+async def test_wrong_buffer_size_never_hits(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        await conn.put(NS, [key(1)], [page(1, 4 * KiB)])
+        assert await conn.get_into(NS, [key(1)], [memoryview(bytearray(4 * KiB + 1))]) == [False]
+        assert conn.counters["corrupt.length"] == 1
+
+
+async def test_overwrite_replaces_the_page(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        await conn.put(NS, [key(1)], [page(1, 4 * KiB)])
+        await conn.put(NS, [key(1)], [page(2, 4 * KiB)])
+        buf = memoryview(bytearray(4 * KiB))
+        assert await conn.get_into(NS, [key(1)], [buf]) == [True]
+        assert buf == page(2, 4 * KiB)
+
+
+async def test_concurrent_puts_and_gets(tmp_path) -> None:
+    size = 128 * KiB
+    async with started(tmp_path, io_threads=4) as conn:
+        same = key(999)
+        await conn.put(NS, [same], [page(0, size)])
+        versions = {bytes(page(v, size)) for v in range(20)}
+
+        async def put_many(i: int) -> list[bool]:
+            keys = [key(i * 100 + j) for j in range(8)] + [same]
+            return await conn.put(NS, keys, [page(i * 100 + j, size) for j in range(8)] + [page(i, size)])
+
+        async def get_same() -> bytes:
+            buf = memoryview(bytearray(size))
+            assert await conn.get_into(NS, [same], [buf]) == [True]  # rename is atomic: never torn
+            return bytes(buf)
+
+        results = await asyncio.gather(*[put_many(i) for i in range(20)], *[get_same() for _ in range(20)])
+        assert all(r == [True] * 9 for r in results[:20])
+        assert all(r in versions for r in results[20:])
+
+        keys = [key(i * 100 + j) for i in range(20) for j in range(8)]
+        bufs = [memoryview(bytearray(size)) for _ in keys]
+        assert await conn.get_into(NS, keys, bufs) == [True] * len(keys)
+        assert all(buf == page(i * 100 + j, size) for buf, (i, j) in zip(bufs, _ij(20, 8), strict=True))
+        assert await conn.exists(NS, keys) == len(keys)
+        assert no_temp_files(conn)
+        assert not any(k.startswith(("corrupt.", "errors.")) for k in conn.counters)
+
+
+def _ij(n: int, m: int):
+    return [(i, j) for i in range(n) for j in range(m)]
+
+
+async def test_large_batch_is_split_across_threads_in_order(tmp_path) -> None:
+    async with started(tmp_path, io_threads=3) as conn:
+        keys = [key(i) for i in range(50)]
+        assert await conn.put(NS, keys, [page(i, 1000 + i) for i in range(50)]) == [True] * 50
+        bufs = [memoryview(bytearray(1000 + i)) for i in range(50)]
+        assert await conn.get_into(NS, keys, bufs) == [True] * 50
+        assert all(buf == page(i, 1000 + i) for i, buf in enumerate(bufs))
+
+
+async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch) -> None:
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+    calls = {"w": 0, "r": 0}
+
+    def _cut(bufs, limit):
+        out, left = [], limit
+        for b in bufs:
+            b = memoryview(b)
+            if left <= 0:
+                break
+            out.append(b[:left])
+            left -= len(out[-1])
+        return out
+
+    def pwritev(fd, bufs, offset):
+        calls["w"] += 1
+        return real_pwritev(fd, _cut(bufs, 10_000), offset)
+
+    def preadv(fd, bufs, offset):
+        calls["r"] += 1
+        return real_preadv(fd, _cut(bufs, 10_000), offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    monkeypatch.setattr(os, "preadv", preadv)
+    async with started(tmp_path) as conn:
+        size = 256 * KiB + 17
+        assert await conn.put(NS, [key(1)], [page(1, size)]) == [True]
+        buf = memoryview(bytearray(size))
+        assert await conn.get_into(NS, [key(1)], [buf]) == [True]
+        assert buf == page(1, size)
+        assert calls["w"] > 20 and calls["r"] > 20
+
+
+async def test_write_error_is_a_counted_false_and_leaves_no_temp_file(tmp_path, monkeypatch) -> None:
+    def full(fd, bufs, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async with started(tmp_path) as conn:
+        monkeypatch.setattr(os, "pwritev", full)
+        assert await conn.put(NS, [key(1), key(2)], [page(1, 4 * KiB), page(2, 4 * KiB)]) == [False, False]
+        assert conn.counters["errors.ENOSPC"] == 2
+        assert no_temp_files(conn)
+        monkeypatch.undo()
+        assert await conn.exists(NS, [key(1)]) == 0
+
+
+async def test_file_in_place_of_a_shard_directory(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        bad, good = "ab" + "0" * 62, "cd" + "0" * 62
+        os.makedirs(os.path.join(conn.root, NS))
+        write_file(os.path.join(conn.root, NS, "ab"), b"in the way")
+        assert await conn.put(NS, [bad, good], [page(1, 4 * KiB), page(2, 4 * KiB)]) == [False, True]
+        assert sum(v for k, v in conn.counters.items() if k.startswith("errors.")) == 1
+        buf = memoryview(bytearray(4 * KiB))
+        assert await conn.get_into(NS, [bad], [buf]) == [False]
+        assert await conn.exists(NS, [bad]) == 0
+        assert await conn.exists(NS, [good]) == 1
+
+
+async def test_invalid_namespace_or_key_never_escapes_the_root(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        for ns in ["..", ".", "../x", "a/b", ""]:
+            assert await conn.put(ns, [key(1)], [page(1, 100)]) == [False]
+            assert await conn.get_into(ns, [key(1)], [memoryview(bytearray(100))]) == [False]
+            assert await conn.exists(ns, [key(1)]) == 0
+            assert await conn.delete(ns, [key(1)]) == 0
+        for k in ["../../x", "a/b", "", "x" * 129]:
+            assert await conn.put(NS, [k], [page(1, 100)]) == [False]
+            assert await conn.get_into(NS, [k], [memoryview(bytearray(100))]) == [False]
+            assert await conn.exists(NS, [k]) == 0
+        assert os.listdir(tmp_path) == ["data"]
+        assert os.listdir(conn.root) == []
+
+
+async def test_vanished_root_fails_the_whole_call(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        await conn.put(NS, [key(1)], [page(1, 100)])
+        os.rename(conn.root, str(tmp_path / "moved"))
+        buf = memoryview(bytearray(100))
+        for call in (
+            conn.put(NS, [key(2)], [page(2, 100)]),
+            conn.get_into(NS, [key(1)], [buf]),
+            conn.exists(NS, [key(1)]),
+            conn.delete(NS, [key(1)]),
+        ):
+            with pytest.raises(BackendUnavailable) as e:
+                await call
+            assert e.value.reason == "ENOENT" and e.value.code == "backend_unavailable"
+        assert not exists(conn.root)  # a put must not quietly re-create it
+
+
+async def test_timeout_raises_backend_unavailable(tmp_path) -> None:
+    async with started(tmp_path, io_threads=1, operation_timeout="50ms") as conn:
+        release = threading.Event()
+        blocker = asyncio.get_running_loop().run_in_executor(conn._executor, release.wait, 5)
+        try:
+            for call in (conn.exists(NS, [key(1)]), conn.get_into(NS, [key(1)], [memoryview(bytearray(1))])):
+                with pytest.raises(BackendUnavailable) as e:
+                    await call
+                assert e.value.reason == "timeout"
+            assert conn.counters["errors.timeout"] == 2
+        finally:
+            release.set()
+            await blocker
+        assert await conn.put(NS, [key(1)], [page(1, 100)]) == [True]
+
+
+async def test_closed_connector_raises(tmp_path) -> None:
+    conn = make(tmp_path)
+    await conn.start()
+    await conn.close()
+    with pytest.raises(BackendUnavailable) as e:
+        await conn.exists(NS, [key(1)])
+    assert e.value.reason == "closed"
+
+
+async def test_mismatched_lengths_and_readonly_buffers_are_refused(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        with pytest.raises(ValueError):
+            await conn.put(NS, [key(1)], [])
+        with pytest.raises(ValueError):
+            await conn.get_into(NS, [key(1)], [memoryview(b"x")])
