@@ -46,7 +46,12 @@ ALLOC_BUSY = 3  # backup queue full: try later
 
 
 class FrameError(Exception):
-    """A frame that cannot be read: the connection it came on is closed."""
+    """A frame that cannot be read: the connection it came on is closed. `messages` holds the good
+    messages that came before it in the same feed, which are still answered."""
+
+    def __init__(self, message: str, messages: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.messages = messages or []
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -73,7 +78,7 @@ class FrameDecoder:
         while len(buf) - pos >= 4:
             (n,) = LENGTH.unpack_from(buf, pos)
             if n > self.max_frame:
-                raise FrameError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+                raise FrameError(f"frame of {n} bytes exceeds the limit of {self.max_frame}", out)
             if len(buf) - pos - 4 < n:
                 break
             body = bytes(buf[pos + 4 : pos + 4 + n])
@@ -81,7 +86,7 @@ class FrameDecoder:
             try:
                 out.append(msgpack.unpackb(body, raw=False, strict_map_key=True))
             except Exception as e:
-                raise FrameError(f"frame is not valid msgpack: {e}") from None
+                raise FrameError(f"frame is not valid msgpack: {e}", out) from None
         if pos:
             del buf[:pos]
         return out

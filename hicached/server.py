@@ -39,6 +39,7 @@ class Server:
         self.connections: set[Connection] = set()
         self.draining = False
         self.refused = 0
+        self._refused_by_uid: dict[int, int] = {}
         self._lsock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[Any]] = set()
@@ -145,9 +146,15 @@ class Server:
             peer = f"pid={pid} uid={uid} gid={gid}"
             if not self._allowed(uid, gid):
                 self.refused += 1
-                log.warning(
-                    "refused connection from %s: uid/gid not in server.allowed_uids/allowed_gids", peer
-                )
+                if len(self._refused_by_uid) > 4096:
+                    self._refused_by_uid.clear()
+                n = self._refused_by_uid[uid] = self._refused_by_uid.get(uid, 0) + 1
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... refusal: a retry loop does not flood logs
+                    log.warning(
+                        "refused connection from %s: not in server.allowed_uids/allowed_gids (%d times)",
+                        peer,
+                        n,
+                    )
                 self._refuse(sock, UNAUTHORIZED, f"uid {uid} / gid {gid} may not use this daemon")
                 return
             if self.draining:
@@ -293,8 +300,10 @@ class Connection(asyncio.Protocol):
         try:
             messages = self.decoder.feed(data)
         except protocol.FrameError as e:
+            for msg in e.messages:
+                self._dispatch(msg)
             log.warning("closing connection from %s: %s", self.session.peer, e)
-            self.transport.abort()
+            self.transport.close()  # answers already written still go out
             return
         for msg in messages:
             self._dispatch(msg)

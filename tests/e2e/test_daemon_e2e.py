@@ -1,0 +1,348 @@
+"""The real daemon as a subprocess, with the file backend: stores, loads, restarts, corruption, bad
+frames, leases of dead clients, refused uids, write-back on shutdown, eviction and L3 reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import msgpack
+import pytest
+
+from hicached import protocol
+from hicached.client import Client
+from hicached.errors import HicachedError
+from hicached.keys import page_keys
+
+PAGE = 64 * 1024
+
+
+def make_pages(seed: int, n: int, size: int = PAGE) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(size) for _ in range(n)]
+
+
+def keys_for(seed: int, n: int) -> list[str]:
+    return page_keys([seed] * 16 + list(range(n * 16)), 16)[1:]
+
+
+def page_file(d, ns: str, key: str) -> str:
+    return os.path.join(d.workdir, "data", ns, key[:2], key[2:4], key)
+
+
+def store_all(c: Client, keys: list[str], pages: list[bytes], batch: int = 20) -> None:
+    for i in range(0, len(keys), batch):
+        assert all(c.store(keys[i : i + batch], pages[i : i + batch]))
+
+
+def test_two_namespaces_store_and_load_concurrently(daemon):
+    # Same keys in both namespaces, different bytes: namespaces must keep them apart.
+    keys = keys_for(1, 200)
+    data = {"model-a.p16": make_pages(1, 200), "model-b.p16": make_pages(2, 200)}
+    errors: list[BaseException] = []
+
+    def engine(ns: str) -> None:
+        try:
+            with Client(daemon.socket, ns, PAGE) as c:
+                store_all(c, keys, data[ns])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=engine, args=(ns,)) for ns in data]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for ns, pages in data.items():
+        with Client(daemon.socket, ns, PAGE) as c:
+            assert c.exists(keys) == 200
+            bufs = [bytearray(PAGE) for _ in keys]
+            assert c.load(keys, bufs) == 200
+            assert [bytes(b) for b in bufs] == pages
+            assert c.get(keys[:5]) == pages[:5]
+
+
+def test_restart_finds_pages_in_l3_with_identical_bytes(daemon):
+    keys, pages = keys_for(3, 200), make_pages(3, 200)
+    with Client(daemon.socket, "restart.ns", PAGE) as c:
+        store_all(c, keys, pages)
+    assert daemon.ctl("flush")["flushed"] is True
+    daemon.restart()
+    with Client(daemon.socket, "restart.ns", PAGE) as c:
+        assert c.stats()["pool"]["pages"] == 0  # L2 is new: everything comes from L3
+        assert c.exists(keys) == 200
+        bufs = [bytearray(PAGE) for _ in keys]
+        assert c.load(keys, bufs) == 200
+        assert [bytes(b) for b in bufs] == pages
+        assert c.stats()["counters"]["prefetch.pages"] == 200
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "truncate"])
+def test_corrupt_file_is_a_miss_never_wrong_bytes(daemon, where):
+    keys, pages = keys_for(4, 10), make_pages(4, 10)
+    with Client(daemon.socket, "corrupt.ns", PAGE) as c:
+        store_all(c, keys, pages)
+    daemon.ctl("flush")
+    daemon.stop()
+    path = page_file(daemon, "corrupt.ns", keys[4])
+    with open(path, "r+b") as f:
+        if where == "truncate":
+            f.truncate(os.path.getsize(path) - 1)
+        else:
+            pos = 40 + PAGE // 2 if where == "payload" else 20
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x01]))
+    daemon.start()
+    with Client(daemon.socket, "corrupt.ns", PAGE) as c:
+        bufs = [bytearray(PAGE) for _ in keys]
+        assert c.load(keys, bufs) == 4  # the corrupt page ends the prefix
+        assert [bytes(b) for b in bufs[:4]] == pages[:4]
+        assert c.get(keys) == pages[:4]
+        assert not os.path.exists(path), "a corrupt page is removed"
+        assert c.exists(keys) == 4
+        backend = c.stats()["backend_counters"]
+        assert sum(v for k, v in backend.items() if k.startswith("corrupt.")) == 1
+        # The engine stores the page again: it is whole again.
+        assert c.store(keys[4:5], pages[4:5]) == [True]
+        assert c.get(keys[:6]) == pages[:6]
+
+
+def _raw_connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    data, fds, _, _ = socket.recv_fds(s, 65536, 4)
+    for fd in fds:
+        os.close(fd)
+    assert data
+    return s
+
+
+def _answer_or_close(s: socket.socket) -> dict | None:
+    """The next answer on a raw connection, or None if the daemon closed it."""
+    dec = protocol.FrameDecoder(1 << 20)
+    while True:
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            return None
+        if not data:
+            return None
+        msgs = dec.feed(data)
+        if msgs:
+            return msgs[0]
+
+
+BAD_FRAMES = {
+    "random bytes": os.urandom(300),
+    "huge length": struct.pack(">I", 0xFFFFFFF0) + b"x" * 16,
+    "not msgpack": struct.pack(">I", 4) + b"\xc1\xc1\xc1\xc1",
+    "not a map": protocol.encode([1, 2, 3]),  # type: ignore[arg-type]
+    "no id": protocol.encode({"op": "exists", "keys": []}),
+    "bool id": protocol.encode({"id": True, "op": "status"}),
+    "unknown op": protocol.encode({"id": 5, "op": "format_disk"}),
+    "keys not a list": protocol.encode({"id": 6, "op": "exists", "keys": "abc"}),
+    "exists before hello": protocol.encode({"id": 7, "op": "exists", "keys": ["a"]}),
+    "bad namespace": protocol.encode({"id": 8, "op": "hello", "namespace": "../etc", "page_bytes": 4096}),
+    "huge page": protocol.encode({"id": 9, "op": "hello", "namespace": "x", "page_bytes": 1 << 40}),
+}
+
+
+def test_bad_frames_get_an_error_or_a_closed_connection(daemon):
+    keys, pages = keys_for(5, 20), make_pages(5, 20)
+    with Client(daemon.socket, "good.ns", PAGE) as good:
+        store_all(good, keys, pages)
+        for name, frame in BAD_FRAMES.items():
+            s = _raw_connect(daemon.socket)
+            try:
+                s.sendall(frame)
+                answer = _answer_or_close(s)
+            finally:
+                s.close()
+            if answer is not None:
+                assert answer["error"]["code"] == "bad_request", (name, answer)
+            assert good.get(keys) == pages, name
+        # A truncated frame, then the peer goes away mid-frame.
+        s = _raw_connect(daemon.socket)
+        s.sendall(protocol.encode({"id": 1, "op": "status"})[:7])
+        s.close()
+        # Garbage after a good request: the good one is answered, then the connection closes.
+        s = _raw_connect(daemon.socket)
+        s.sendall(protocol.encode({"id": 1, "op": "status"}) + struct.pack(">I", 0xFFFFFFFF))
+        first = _answer_or_close(s)
+        s.close()
+        assert first is not None and first["id"] == 1 and "pid" in first
+        assert good.exists(keys) == 20
+        assert good.store(keys_for(6, 3), make_pages(6, 3)) == [True] * 3
+    assert daemon.alive
+
+
+def test_client_errors_carry_codes(daemon):
+    with Client(daemon.socket, "codes.ns", PAGE) as c:
+        with pytest.raises(HicachedError) as e:
+            c.store(["k1"], [b"short"])
+        assert e.value.code == "bad_request"
+        with pytest.raises(HicachedError) as e:
+            c.wait(12345)
+        assert e.value.code == "not_found"
+        with pytest.raises(HicachedError) as e:
+            c.exists(["bad/key"])
+        assert e.value.code == "bad_request"
+    with pytest.raises(HicachedError) as e:
+        Client(daemon.socket, "codes.ns", PAGE * 2)  # a namespace has one page size
+    assert e.value.code == "bad_request"
+
+
+def test_disconnect_releases_everything_it_held(daemon):
+    keys, pages = keys_for(7, 30), make_pages(7, 30)
+    with Client(daemon.socket, "lease.ns", PAGE) as c:
+        store_all(c, keys, pages)
+    daemon.ctl("flush")  # backups in flight hold leases of their own
+    s = _raw_connect(daemon.socket)
+    reqs = [
+        {"id": 1, "op": "hello", "namespace": "lease.ns", "page_bytes": PAGE},
+        {"id": 2, "op": "acquire", "keys": keys[:10]},
+        {"id": 3, "op": "prefetch", "keys": keys[10:20]},
+        {"id": 4, "op": "alloc", "keys": keys_for(8, 5)},
+    ]
+    s.sendall(b"".join(protocol.encode(r) for r in reqs))
+    seen: dict[int, dict] = {}
+    dec = protocol.FrameDecoder(1 << 20)
+    while len(seen) < len(reqs):
+        for m in dec.feed(s.recv(65536)):
+            seen[m["id"]] = m
+    assert len(seen[2]["offsets"]) == 10
+    assert seen[4]["status"] == [protocol.ALLOC_WRITE] * 5
+    with Client(daemon.socket, "lease.ns", PAGE) as c:
+        pool = c.stats()["pool"]
+        assert pool["leased"] == 25 and pool["writing"] == 5
+        s.close()  # the engine dies holding read leases, a prefetch handle and slots it was writing
+        for _ in range(200):
+            pool = c.stats()["pool"]
+            if pool["leased"] == 0:
+                break
+            threading.Event().wait(0.02)
+        assert pool["leased"] == 0 and pool["writing"] == 0
+        assert c.exists(keys_for(8, 5)) == 0  # the uncommitted pages are gone
+        assert c.get(keys) == pages
+
+
+def test_uid_not_allowed_is_refused(daemon_factory):
+    d = daemon_factory({"server": {"allowed_uids": [4242], "allowed_gids": [4242]}})
+    assert os.getuid() != 4242
+    with pytest.raises(HicachedError) as e:
+        Client(d.socket, "x.ns", PAGE)
+    assert e.value.code == "unauthorized"
+    assert "refused connection" in d.log()
+    assert d.alive
+
+
+def test_socket_mode_and_stale_socket(daemon_factory):
+    d = daemon_factory({"server": {"socket_mode": "0600"}}, start=False)
+    os.makedirs(os.path.dirname(d.socket), exist_ok=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(d.socket)  # a socket file nobody listens on, as a crashed daemon leaves it
+    stale.close()
+    d.start()
+    assert os.stat(d.socket).st_mode & 0o777 == 0o600
+    # A second daemon on the same socket refuses to start instead of stealing it.
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "serve", "--config", d.config_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "another daemon is listening" in out.stderr
+    assert d.alive and d.ctl("status")["socket"] == d.socket
+
+
+def test_write_back_reaches_l3_on_shutdown(daemon_factory):
+    d = daemon_factory({"storage": {"write_policy": "write_back"}})
+    keys, pages = keys_for(9, 40), make_pages(9, 40)
+    with Client(d.socket, "wb.ns", PAGE) as c:
+        store_all(c, keys, pages)
+        assert c.stats()["pool"]["dirty"] == 40  # write-back: nothing written yet
+    assert not os.path.exists(page_file(d, "wb.ns", keys[0]))
+    assert d.stop(signal.SIGTERM) == 0
+    d.start()
+    with Client(d.socket, "wb.ns", PAGE) as c:
+        assert c.get(keys) == pages
+
+
+def test_eviction_brings_pages_back_from_l3(daemon_factory):
+    # 16 MiB of pool for 64 MiB of pages: most must be evicted after their backup, and read back from L3.
+    d = daemon_factory({"pool": {"capacity": "16MiB", "slab_size": "2MiB"}})
+    page = 256 * 1024
+    keys, pages = keys_for(10, 256), make_pages(10, 256, page)
+    with Client(d.socket, "evict.ns", page) as c:
+        for i in range(0, 256, 16):
+            ok = c.store(keys[i : i + 16], pages[i : i + 16])
+            while not all(ok):  # no_space/busy while backups catch up: the engine retries
+                d.ctl("flush")
+                ok = c.store(keys[i : i + 16], pages[i : i + 16])
+        d.ctl("flush")
+        stats = c.stats()
+        assert stats["pool"]["evictions"] > 0
+        assert c.exists(keys) == 256
+        for i in range(0, 256, 32):
+            assert c.get(keys[i : i + 32]) == pages[i : i + 32]
+
+
+def test_prefetch_and_wait_policies(daemon_factory):
+    d = daemon_factory({"storage": {"prefetch": {"policy": "wait_complete"}}})
+    keys, pages = keys_for(11, 50), make_pages(11, 50)
+    with Client(d.socket, "pf.ns", PAGE) as c:
+        store_all(c, keys, pages)
+    d.ctl("flush")
+    d.restart()
+    with Client(d.socket, "pf.ns", PAGE) as c:
+        missing = keys_for(12, 3)
+        h = c.prefetch(keys[:30] + missing[:1] + keys[31:])
+        assert c.wait(h) == 30  # leading prefix: the hole at 30 ends it
+        assert c.stats()["pool"]["leased"] == 0
+        h = c.prefetch(keys, priority=5)
+        assert c.wait(h, timeout=20) == 50
+        assert c.get(keys) == pages
+        assert c.pin(keys[:10]) == 10
+        assert c.stats()["pool"]["pinned"] == 10
+        assert c.unpin(keys[:10]) == 10
+
+
+def test_ctl_status_and_stats(daemon):
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "ctl", "--socket", daemon.socket, "--json", "stats"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stats = json.loads(out.stdout)
+    assert stats["backend"] == "file" and "pool" in stats
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "ctl", "--socket", daemon.socket, "status"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "backend: file" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "ctl", "--socket", daemon.socket + ".nope", "status"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "no hicached daemon" in out.stderr
+
+
+def test_msgpack_answers_are_small():
+    # Page bytes never travel on the socket: an alloc answer for 64 keys is offsets only.
+    ans = {"id": 1, "status": [0] * 64, "offsets": [1 << 30] * 64}
+    assert len(msgpack.packb(ans)) < 1024
