@@ -15,6 +15,7 @@ from .slabs import SizeClass, SlabAllocator, slot_size
 WRITING = "writing"  # slot handed to an engine, bytes not yet committed
 FILLING = "filling"  # being read from L3 by a prefetch
 READY = "ready"
+QUARANTINED = "quarantined"  # removed, slot not yet reusable
 
 _STEAL_CANDIDATES = 16  # LRU pages of a victim class whose slabs are tried before giving up
 
@@ -88,14 +89,25 @@ class PageIndex:
         self._by_offset[offset] = entry
         return entry
 
-    def remove(self, entry: Entry) -> None:
-        """Frees the entry's slot. The caller makes sure nobody holds a lease on it."""
+    def remove(self, entry: Entry, quarantine: float = 0.0) -> None:
+        """Drops the entry and frees its slot. The caller makes sure nobody holds a lease on it.
+
+        With `quarantine`, the slot is only freed that many seconds later: for a read from L3 that timed
+        out, whose I/O thread may still be writing into the slot and cannot be stopped."""
         k = (entry.ns, entry.key)
         if self.entries.get(k) is not entry:
             return
         self._set_evictable(entry, False)
         self.dirty.pop(k, None)
         del self.entries[k]
+        if quarantine > 0:
+            entry.state = QUARANTINED  # still in _by_offset, so its slab is not reassigned meanwhile
+            self.counters["quarantined"] += 1
+            asyncio.get_running_loop().call_later(quarantine, self._free_slot, entry)
+        else:
+            self._free_slot(entry)
+
+    def _free_slot(self, entry: Entry) -> None:
         del self._by_offset[entry.offset]
         self.alloc.free(entry.cls, entry.offset)
 

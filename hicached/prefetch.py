@@ -129,9 +129,18 @@ class Prefetcher:
                 return await connector.get_into(ns, [e.key for e in entries], views)
         except TimeoutError:
             self.counters["prefetch.errors.timeout"] += 1
+            self._quarantine(entries)
         except BackendError as e:
             self.counters[f"prefetch.errors.{e.reason}"] += 1
+            if e.reason == "timeout":
+                self._quarantine(entries)
         return [False] * len(entries)
+
+    def _quarantine(self, entries: list[Entry]) -> None:
+        # A read that timed out may still be landing in these slots from an I/O thread: keep the slots
+        # out of use for a while instead of handing them to new pages.
+        for e in entries:
+            self.index.remove(e, quarantine=max(10.0, 3 * self.operation_timeout))
 
     def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool]) -> None:
         self.pending -= len(batch)

@@ -86,11 +86,13 @@ class SlabAllocator:
         src = self._owner[slab]
         if src is not None:
             slots = set(self.slots_of(slab))
-            before = len(src.free)
-            src.free = [o for o in src.free if o not in slots]
-            if before - len(src.free) != len(slots):
+            keep = [o for o in src.free if o not in slots]
+            if len(src.free) - len(keep) != len(slots):
                 raise RuntimeError("slab still has slots in use")
+            src.free = keep
             src.slabs.discard(slab)
+        else:
+            self.free_slabs.remove(slab)
         self._assign(slab, to)
 
     def fair_share(self, asking: SizeClass) -> int:
