@@ -1,0 +1,151 @@
+"""The clients against an in-process daemon on the test's own event loop (AsyncClient), and against a
+daemon thread (Client shared by many threads), plus the client-side checks of pages and buffers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+import torch
+import uvloop
+
+import config
+from hicached.client import AsyncClient, Client, _as_bytes_array
+from hicached.daemon import Daemon
+from hicached.errors import HicachedError
+
+PAGE = 32 * 1024
+
+
+def daemon_cfg(tmp_path, **storage):
+    return config.from_dict(
+        {
+            "server": {"socket": "run/d.sock"},
+            "pool": {"capacity": "16MiB", "slab_size": "1MiB", "prefault": False},
+            "storage": {"file": {"root": "data"}, **storage},
+        },
+        base_dir=str(tmp_path),
+    )
+
+
+async def test_async_client_round_trip_and_clean_shutdown(tmp_path):
+    d = Daemon(daemon_cfg(tmp_path))
+    await d.startup()
+    try:
+        sock = d.server.path
+        pages = [os.urandom(PAGE) for _ in range(12)]
+        keys = [f"key{i}" for i in range(12)]
+        async with AsyncClient(sock, "async.ns", PAGE) as c:
+            assert await c.store(keys, pages) == [True] * 12
+            assert await c.exists(keys) == 12
+            assert await c.get(keys) == pages
+            bufs = [bytearray(PAGE) for _ in keys]
+            assert await c.load(keys, bufs) == 12 and [bytes(b) for b in bufs] == pages
+            h = await c.prefetch(keys)
+            assert await c.wait(h) == 12
+            # Many requests in flight on one connection at once.
+            results = await asyncio.gather(*(c.exists(keys[: i + 1]) for i in range(12)))
+            assert results == list(range(1, 13))
+            with pytest.raises(HicachedError) as e:
+                await c.store(keys[:1], [b"x"])
+            assert e.value.code == "bad_request"
+            assert (await c.stats())["counters"]["store.pages"] == 12
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+    assert (tmp_path / "data" / "async.ns").is_dir()
+    assert not os.path.exists(d.server.path)
+
+
+async def test_shutdown_writes_dirty_pages(tmp_path):
+    d = Daemon(daemon_cfg(tmp_path, write_policy="write_back"))
+    await d.startup()
+    async with AsyncClient(d.server.path, "wb.ns", PAGE) as c:
+        await c.store(["a", "b", "c"], [os.urandom(PAGE) for _ in range(3)])
+        assert (await c.stats())["pool"]["dirty"] == 3
+    await d.shutdown()
+    assert len(list((tmp_path / "data" / "wb.ns").rglob("*"))) >= 3
+
+
+@pytest.fixture
+def threaded_daemon(tmp_path):
+    """A daemon on its own uvloop in a thread, for the blocking client."""
+    cfg = daemon_cfg(tmp_path)
+    ready = threading.Event()
+    box: dict = {}
+
+    async def main() -> None:
+        d = Daemon(cfg)
+        box["daemon"], box["loop"] = d, asyncio.get_running_loop()
+        await d.startup()
+        ready.set()
+        await d.main_loop()
+        await d.shutdown()
+
+    t = threading.Thread(target=uvloop.run, args=(main(),), daemon=True)
+    t.start()
+    assert ready.wait(30)
+    yield box["daemon"]
+    box["loop"].call_soon_threadsafe(box["daemon"].handle_signal, signal.SIGTERM)
+    t.join(30)
+
+
+def test_one_client_shared_by_many_threads(threaded_daemon):
+    sock = threaded_daemon.server.path
+    errors: list[BaseException] = []
+    with Client(sock, "threads.ns", PAGE) as c:
+
+        def worker(i: int) -> None:
+            try:
+                rng = np.random.default_rng(i)
+                for j in range(10):
+                    keys = [f"t{i}-{j}-{k}" for k in range(4)]
+                    pages = [rng.bytes(PAGE) for _ in keys]
+                    assert c.store(keys, pages) == [True] * 4
+                    assert c.get(keys) == pages
+                    assert c.exists(keys) == 4
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert c.stats()["counters"]["store.pages"] == 8 * 10 * 4
+
+
+def test_tensors_and_arrays_as_pages_and_buffers(threaded_daemon):
+    sock = threaded_daemon.server.path
+    with Client(sock, "tensor.ns", PAGE) as c:
+        t = torch.randn(PAGE // 2, dtype=torch.bfloat16)
+        a = np.arange(PAGE // 4, dtype=np.int32)
+        assert c.store(["t", "a"], [t, a]) == [True, True]
+        out_t = torch.empty(PAGE // 2, dtype=torch.bfloat16)
+        out_a = np.empty(PAGE // 4, dtype=np.int32)
+        assert c.load(["t", "a"], [out_t, out_a]) == 2
+        assert torch.equal(out_t, t) and np.array_equal(out_a, a)
+
+
+def test_client_side_checks():
+    assert _as_bytes_array(bytearray(8), 8, True, "b").nbytes == 8
+    with pytest.raises(HicachedError, match="read-only"):
+        _as_bytes_array(b"12345678", 8, True, "b")
+    with pytest.raises(HicachedError, match="bytes"):
+        _as_bytes_array(bytearray(4), 8, False, "b")
+    with pytest.raises(HicachedError, match="contiguous"):
+        _as_bytes_array(np.zeros((4, 4), dtype=np.uint8)[:, :2], 8, False, "b")
+    with pytest.raises(HicachedError, match="contiguous"):
+        _as_bytes_array(torch.zeros(4, 4, dtype=torch.uint8)[:, :2], 8, False, "b")
+    with pytest.raises(HicachedError, match="bytes-like"):
+        _as_bytes_array(12, 8, False, "b")
+    with pytest.raises(HicachedError, match="namespace"):
+        Client("/nonexistent.sock", "bad/ns", PAGE)
+    with pytest.raises(HicachedError) as e:
+        Client("/nonexistent.sock", "ok.ns", PAGE)
+    assert e.value.code == "connection"

@@ -1,0 +1,284 @@
+"""Tiers in-process, over a real pool and the real file connector: store, load, backup with retries,
+write-back pressure, prefetch merging, sessions that die holding things."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import config
+from connectors.base import BackendUnavailable
+from connectors.file import FileConnector
+from hicached.errors import HicachedError
+from hicached.pool import Pool
+from hicached.protocol import ALLOC_BUSY, ALLOC_NO_SPACE, ALLOC_PRESENT, ALLOC_WRITE
+from hicached.tiers import Session, Tiers
+
+PAGE = 64 * 1024
+
+
+def cfg_for(tmp_path, **storage):
+    return config.from_dict(
+        {
+            "pool": {"capacity": "8MiB", "slab_size": "1MiB", "prefault": False},
+            "storage": {"file": {"root": "data"}, "retry": {"base": "1ms", "attempts": 3}, **storage},
+        },
+        base_dir=str(tmp_path),
+    )
+
+
+class FlakyFile(FileConnector):
+    """The real file connector with faults injected in front of it: the first `fail` puts raise."""
+
+    def __init__(self, cfg, fail: int) -> None:
+        super().__init__(cfg)
+        self.fail = fail
+
+    async def put(self, namespace, keys, payloads):
+        if self.fail > 0:
+            self.fail -= 1
+            raise BackendUnavailable(self.name, "injected fault", "injected")
+        return await super().put(namespace, keys, payloads)
+
+
+async def make_tiers(tmp_path, connector="file", **storage):
+    cfg = cfg_for(tmp_path, **storage)
+    pool = Pool(cfg.pool.capacity, prefault=False)
+    conn = FileConnector(cfg) if connector == "file" else connector
+    if conn is not None:
+        await conn.start()
+    t = Tiers(cfg, pool, conn)
+    t.start()
+    return t
+
+
+async def close_tiers(t: Tiers) -> None:
+    await t.stop()
+    if t.connector is not None:
+        await t.connector.close()
+    t.pool.close()
+
+
+def session(t: Tiers, ns="ns1") -> Session:
+    s = Session(peer="test")
+    t.hello(s, ns, PAGE)
+    return s
+
+
+def write(t: Tiers, s: Session, keys: list[str], fill: int = 7) -> list[bool]:
+    status, offsets = t.alloc(s, keys)
+    written = []
+    for k, st, off in zip(keys, status, offsets, strict=True):
+        if st == ALLOC_WRITE:
+            t.pool.view[off : off + PAGE] = bytes([fill]) * PAGE
+            written.append(k)
+    return t.commit(s, written)
+
+
+async def test_store_backup_and_reload_from_l3(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        keys = [f"k{i}" for i in range(20)]
+        assert write(t, s, keys) == [True] * 20
+        assert t.alloc(s, keys[:1])[0] == [ALLOC_PRESENT]
+        assert await t.backup.drain(10)
+        assert t.counters["backup.pages"] == 20
+        assert t.index.stats()["dirty"] == 0
+        assert await t.exists(s, keys) == 20
+        # Drop L2 by hand: a load must come back from L3 with the same bytes.
+        for k in keys:
+            t.index.remove(t.index.get("ns1", k))
+        lease, offsets = await t.acquire(s, keys, fetch=True)
+        assert len(offsets) == 20
+        assert all(bytes(t.pool.view[o : o + PAGE]) == bytes([7]) * PAGE for o in offsets)
+        t.release(s, lease)
+        with pytest.raises(HicachedError):
+            t.release(s, lease)
+    finally:
+        await close_tiers(t)
+
+
+async def test_backup_retries_then_succeeds(tmp_path):
+    cfg = cfg_for(tmp_path)
+    flaky = FlakyFile(cfg, fail=2)
+    t = await make_tiers(tmp_path, connector=flaky)
+    try:
+        s = session(t)
+        write(t, s, ["a", "b"])
+        assert await t.backup.drain(10)
+        assert t.counters["backup.retries"] == 2 and t.counters["backup.pages"] == 2
+        assert "backup.failed" not in t.counters
+    finally:
+        await close_tiers(t)
+
+
+async def test_backup_gives_up_after_attempts_and_counts(tmp_path):
+    flaky = FlakyFile(cfg_for(tmp_path), fail=100)
+    t = await make_tiers(tmp_path, connector=flaky)
+    try:
+        s = session(t)
+        write(t, s, ["a", "b", "c"])
+        assert await t.backup.drain(10)
+        assert t.counters["backup.failed"] == 3
+        assert t.index.stats()["dirty"] == 0  # no longer held for L3: evictable again
+    finally:
+        await close_tiers(t)
+
+
+async def test_already_in_l3_is_not_written_again(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        write(t, s, ["x", "y"])
+        await t.backup.drain(10)
+        for k in ("x", "y"):
+            t.index.remove(t.index.get("ns1", k))
+        write(t, s, ["x", "y"])
+        await t.backup.drain(10)
+        assert t.counters["backup.pages"] == 2
+        assert t.counters["backup.skipped_present"] == 2
+    finally:
+        await close_tiers(t)
+
+
+async def test_l2_only_pool_full_of_leased_pages_says_no_space(tmp_path):
+    t = await make_tiers(tmp_path, connector=None, backend="none")
+    try:
+        s = session(t)
+        n = t.index.alloc.nslabs * (t.cfg.pool.slab_size // PAGE)
+        keys = [f"p{i}" for i in range(n)]
+        assert all(write(t, s, keys))
+        lease, offsets = await t.acquire(s, keys, fetch=False)
+        assert len(offsets) == n
+        assert t.alloc(s, ["one-more"])[0] == [ALLOC_NO_SPACE]
+        t.release(s, lease)
+        assert t.alloc(s, ["one-more"])[0] == [ALLOC_WRITE]  # now the LRU page can go
+        assert t.index.counters["evictions"] == 1
+        assert t.index.get("ns1", "p0") is None
+    finally:
+        await close_tiers(t)
+
+
+async def test_backup_queue_bound_is_back_pressure(tmp_path):
+    flaky = FlakyFile(cfg_for(tmp_path), fail=1000)
+    t = await make_tiers(tmp_path, connector=flaky, backup_queue_pages=4, backup_concurrency=1)
+    try:
+        s = session(t)
+        status, _ = t.alloc(s, [f"q{i}" for i in range(10)])
+        assert status.count(ALLOC_WRITE) == 4 and status.count(ALLOC_BUSY) == 6
+    finally:
+        await close_tiers(t)
+
+
+async def test_write_back_keeps_pages_dirty_until_pressure(tmp_path):
+    t = await make_tiers(tmp_path, write_policy="write_back")
+    try:
+        s = session(t)
+        n = t.index.alloc.nslabs * (t.cfg.pool.slab_size // PAGE)
+        keys = [f"w{i}" for i in range(n)]
+        # Filling the pool with dirty pages: pressure makes write-back write the oldest ones out.
+        results = []
+        for i in range(0, n, 8):
+            results += write(t, s, keys[i : i + 8])
+            await asyncio.sleep(0)
+        for _ in range(200):
+            if t.counters["backup.pages"] > 0:
+                break
+            await asyncio.sleep(0.01)
+        assert t.counters["backup.pages"] > 0
+        assert await t.flush_dirty(10)
+        assert t.index.stats()["dirty"] == 0
+        assert sum(1 for p in (tmp_path / "data" / "ns1").rglob("w*") if p.is_file()) == len(keys)
+    finally:
+        await close_tiers(t)
+
+
+async def test_concurrent_prefetches_of_one_key_are_merged(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s1, s2 = session(t), session(t)
+        keys = [f"m{i}" for i in range(8)]
+        write(t, s1, keys)
+        await t.backup.drain(10)
+        for k in keys:
+            t.index.remove(t.index.get("ns1", k))
+        h1 = t.prefetch(s1, keys, 0)
+        h2 = t.prefetch(s2, keys, 0)
+        assert await t.wait(s1, h1, 10) == 8
+        assert await t.wait(s2, h2, 10) == 8
+        assert t.counters["prefetch.pages"] == 8  # each page read once
+        assert t.index.stats()["leased"] == 0
+    finally:
+        await close_tiers(t)
+
+
+async def test_closing_a_session_releases_everything(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        keys = [f"c{i}" for i in range(6)]
+        write(t, s, keys)
+        await t.backup.drain(10)
+        await t.acquire(s, keys[:3], fetch=False)
+        t.prefetch(s, keys, 0)
+        t.alloc(s, ["pending1", "pending2"])
+        assert t.index.stats()["leased"] == 8
+        t.close_session(s)
+        st = t.index.stats()
+        assert st["leased"] == 0 and st["writing"] == 0
+        assert t.index.get("ns1", "pending1") is None
+    finally:
+        await close_tiers(t)
+
+
+async def test_cancelled_acquire_gives_its_leases_back(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        keys = [f"z{i}" for i in range(4)]
+        write(t, s, keys)
+        await t.backup.drain(10)
+        for k in keys[2:]:
+            t.index.remove(t.index.get("ns1", k))
+        task = asyncio.ensure_future(t.acquire(s, keys, fetch=True))
+        await asyncio.sleep(0)  # it now waits on the L3 reads
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await t.prefetcher.stop()
+        assert all(e.leases == 0 for e in t.index.entries.values())
+    finally:
+        await close_tiers(t)
+
+
+async def test_pins_are_bounded_and_keep_pages(tmp_path):
+    t = await make_tiers(tmp_path, connector=None, backend="none")
+    try:
+        s = session(t)
+        keys = [f"pin{i}" for i in range(80)]
+        write(t, s, keys)
+        assert t.pin(s, keys[:10]) == 10
+        with pytest.raises(HicachedError) as e:
+            t.pin(s, keys)  # more than pool.max_pinned_fraction of the pool
+        assert e.value.code == "no_space"
+        for i in range(200):
+            write(t, s, [f"other{i}"])
+        assert all(t.index.get("ns1", k) is not None for k in keys[:10])
+        assert t.unpin(s, keys) == 64  # the limit: half of 128 slots
+    finally:
+        await close_tiers(t)
+
+
+async def test_hello_checks_page_size(tmp_path):
+    t = await make_tiers(tmp_path, connector=None, backend="none")
+    try:
+        s = Session()
+        with pytest.raises(HicachedError):
+            t.hello(s, "ns", 2 * 1024 * 1024)  # larger than a slab
+        t.hello(s, "ns", PAGE)
+        with pytest.raises(HicachedError):
+            t.hello(Session(), "ns", PAGE * 2)
+    finally:
+        await close_tiers(t)
