@@ -54,7 +54,8 @@ def parse_size(value: int | str) -> int:
     m = _NUMBER.match(value)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"expected a size such as 512MiB or 4GiB, got {value!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    number, factor = m.group(1), _SIZE_UNITS[m.group(2).lower()]
+    return int(number) * factor if "." not in number else int(float(number) * factor)
 
 
 def parse_duration(value: int | float | str) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from collections import OrderedDict
 
 from .slabs import SizeClass, SlabAllocator, slot_size
@@ -181,7 +182,7 @@ class PageIndex:
         for victim in victims:
             lru = self._lru.get(victim)
             tried: set[int] = set()
-            for entry in list(lru.values())[:_STEAL_CANDIDATES] if lru else ():
+            for entry in list(itertools.islice(lru.values(), _STEAL_CANDIDATES)) if lru else ():
                 slab = self.alloc.slab_of(entry.offset)
                 if slab in tried:
                     continue

@@ -51,7 +51,10 @@ class Pool:
 
 def check_sealed_fd(fd: int, min_size: int) -> int:
     """Size of a memfd an engine handed in, after checking it cannot shrink under us."""
-    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ValueError("memory must be a memfd (this fd cannot carry seals)") from None
     if not seals & fcntl.F_SEAL_SHRINK:
         raise ValueError("memory must be a memfd sealed with F_SEAL_SHRINK")
     size = os.fstat(fd).st_size

@@ -24,8 +24,12 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number `attempt` (1-based)."""
-        d = min(self.max, self.base * (2 ** (attempt - 1)))
-        return d * (1.0 + self.jitter * (2.0 * random.random() - 1.0)) if self.jitter else d
+        # Capped before and after the jitter: late attempts neither overflow nor exceed `max`, and at the
+        # cap they still spread out below it.
+        d = min(self.max, self.base * 2.0 ** min(attempt - 1, 64))
+        if self.jitter:
+            d *= 1.0 + self.jitter * (2.0 * random.random() - 1.0)
+        return min(self.max, d)
 
     async def run(
         self,
