@@ -163,7 +163,8 @@ def validate(cfg: Config) -> None:
     st = cfg.storage
     _positive(st, "storage", "backup_concurrency", "backup_batch_pages", "backup_queue_pages")
     _positive(st, "storage", "prefetch_concurrency", "prefetch_batch_pages", "prefetch_queue_pages")
-    _positive(st, "storage", "operation_timeout")
+    _positive(st, "storage", "operation_timeout", "drain_timeout")
+    _positive(st.breaker, "storage.breaker", "failures", "probe_interval", "probe_max_interval")
     _positive(st.retry, "storage.retry", "attempts", "max")
     if not 0.0 <= st.retry.jitter <= 1.0:
         raise ConfigError("storage.retry.jitter", "must be between 0 and 1")
@@ -174,8 +175,19 @@ def validate(cfg: Config) -> None:
     _positive(r, "storage.redis", "max_connections", "socket_timeout", "connect_timeout")
     if st.backend == "redis" and not r.url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("storage.redis.url", f"expected redis://, rediss:// or unix://, got {r.url!r}")
+    if st.backend == "redis" and r.cluster and r.url.startswith("unix://"):
+        raise ConfigError(
+            "storage.redis.url", "a Redis Cluster is reached over TCP: use redis:// or rediss://"
+        )
+    if r.ttl < 0:
+        raise ConfigError("storage.redis.ttl", f"must be 0 (no expiry) or more, got {r.ttl!r}")
     s3 = st.s3
     _positive(s3, "storage.s3", "max_connections", "connect_timeout", "read_timeout", "max_attempts")
     if st.backend == "s3" and not s3.bucket:
         raise ConfigError("storage.s3.bucket", 'must name a bucket when storage.backend = "s3"')
     _positive(cfg.shutdown, "shutdown", "flush_timeout")
+    if cfg.metrics.listen:
+        host, sep, port = cfg.metrics.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            listen = cfg.metrics.listen
+            raise ConfigError("metrics.listen", f"expected host:port such as 127.0.0.1:9464, got {listen!r}")

@@ -105,6 +105,15 @@ class S3Config:
 
 
 @dataclass
+class BreakerConfig:
+    # Consecutive failed backend calls that detach the backend (the daemon then serves from L2 only).
+    failures: int = 5
+    # While detached, the backend is probed with backoff between these bounds and re-attached once it answers.
+    probe_interval: Duration = 1.0
+    probe_max_interval: Duration = 30.0
+
+
+@dataclass
 class StorageConfig:
     backend: Backend = "file"
     write_policy: WritePolicy = "write_through"
@@ -116,7 +125,10 @@ class StorageConfig:
     prefetch_batch_pages: int = 16
     prefetch_queue_pages: int = 65536
     operation_timeout: Duration = 10.0
+    # A swapped-out backend may finish the calls it has in flight for this long before it is closed.
+    drain_timeout: Duration = 30.0
     retry: RetryConfig = field(default_factory=RetryConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     file: FileConfig = field(default_factory=FileConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -126,6 +138,12 @@ class StorageConfig:
 @dataclass
 class LoggingConfig:
     level: LogLevel = "info"
+
+
+@dataclass
+class MetricsConfig:
+    # "host:port" of a Prometheus text exposition listener (GET /metrics); empty: none. Keep it on loopback.
+    listen: str = ""
 
 
 @dataclass
@@ -141,5 +159,6 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # Directory of the file the configuration came from; relative paths resolve against it.
     base_dir: str = field(default=".", metadata={"internal": True})

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
 from itertools import groupby
 
-from connectors.base import BackendError, Connector
+from connectors.base import BackendError
 
+from .backend import Backend
 from .index import READY, Entry, PageIndex
 from .pool import Pool
 from .retry import Backoff
@@ -27,7 +27,7 @@ class Backup:
         self,
         index: PageIndex,
         pool: Pool,
-        connector: Callable[[], Connector | None],
+        backend: Backend,
         counters: collections.Counter[str],
         concurrency: int,
         batch_pages: int,
@@ -36,7 +36,7 @@ class Backup:
     ) -> None:
         self.index = index
         self.pool = pool
-        self.connector = connector  # read at every attempt, so work retargets to a swapped backend
+        self.backend = backend  # read at every attempt, so queued work retargets to a swapped backend
         self.counters = counters
         self.concurrency = concurrency
         self.batch_pages = batch_pages
@@ -59,9 +59,14 @@ class Backup:
         return self.pending >= self.queue_pages
 
     def start(self) -> None:
-        self._workers = [
-            asyncio.create_task(self._worker(), name=f"backup-{i}") for i in range(self.concurrency)
-        ]
+        self.resize(self.concurrency)
+
+    def resize(self, concurrency: int) -> None:
+        """Runs `concurrency` workers: more are started now, extra ones exit before their next batch."""
+        self.concurrency = concurrency
+        while len(self._workers) < concurrency:
+            self._workers.append(asyncio.create_task(self._worker(), name="backup"))
+        self._wakeup.set()
 
     async def stop(self) -> None:
         for t in self._workers:
@@ -88,10 +93,15 @@ class Backup:
             return False
 
     async def _worker(self) -> None:
+        me = asyncio.current_task()
         while True:
-            while not self._queue:
+            while not self._queue and len(self._workers) <= self.concurrency:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            if len(self._workers) > self.concurrency:
+                self._workers.remove(me)
+                self._wakeup.set()  # pass the news on to the next extra worker
+                return
             batch = [self._queue.popleft() for _ in range(min(self.batch_pages, len(self._queue)))]
             self.inflight += len(batch)
             try:
@@ -124,20 +134,20 @@ class Backup:
         last_error = "the backend refused the pages"
         while todo:
             todo = [e for e in todo if self.index.live(e) and e.dirty and e.state == READY]
-            connector = self.connector()
-            if not todo:
-                return
-            if connector is None:
-                return  # detached: pages stay dirty in L2 until a backend is attached
+            if not todo or self.backend.current is None:
+                return  # detached: the tiers queue pages that are not in L3 again when a backend attaches
             try:
                 keys = [e.key for e in todo]
-                present = await connector.exists(ns, keys)
+                present = await self.backend.call("exists", lambda c, keys=keys: c.exists(ns, keys))
                 for e in todo[:present]:
                     self._done(e, written=False)
                 todo = todo[present:]
                 if todo:
+                    keys = [e.key for e in todo]
                     views = [self.pool.slot(e.offset, e.size) for e in todo]
-                    ok = await connector.put(ns, [e.key for e in todo], views)
+                    ok = await self.backend.call(
+                        "put", lambda c, keys=keys, views=views: c.put(ns, keys, views)
+                    )
                     for e, good in zip(todo, ok, strict=True):
                         if good:
                             self._done(e, written=True)

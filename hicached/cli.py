@@ -33,12 +33,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from .daemon import Daemon
+    from .notify import listen_socket
 
     cfg = _load(args.config)
     _setup_logging(cfg.logging.level)
     daemon = Daemon(cfg, config_path=os.path.abspath(args.config))
     try:
-        uvloop.run(daemon.run())
+        uvloop.run(daemon.run(listen_socket()))
     except RuntimeError as e:
         logging.getLogger("hicached").error("%s", e)
         return 1
@@ -65,8 +66,24 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     from .client import control
     from .errors import HicachedError
 
+    extra: dict = {}
+    words = args.args
+    if args.cmd == "backend":
+        action = words[0] if words else "show"
+        if action not in ("show", "attach", "detach") or (action != "attach" and len(words) > 1):
+            print("hicached ctl: usage: ctl backend show | attach [file|redis|s3] | detach", file=sys.stderr)
+            return 2
+        extra = {"action": action, **({"name": words[1]} if len(words) > 1 else {})}
+    elif args.cmd == "drain":
+        if words not in ([], ["cancel"]):
+            print("hicached ctl: usage: ctl drain [cancel]", file=sys.stderr)
+            return 2
+        extra = {"cancel": bool(words)}
+    elif words:
+        print(f"hicached ctl: {args.cmd} takes no arguments", file=sys.stderr)
+        return 2
     try:
-        answer = control(_socket_path(args), args.cmd, timeout=args.timeout)
+        answer = control(_socket_path(args), args.cmd, timeout=args.timeout, **extra)
     except HicachedError as e:
         print(f"hicached ctl: {e}", file=sys.stderr)
         return 1
@@ -75,7 +92,7 @@ def cmd_ctl(args: argparse.Namespace) -> int:
         print(json.dumps(answer, indent=2, sort_keys=True))
     else:
         _print_human(answer)
-    return 0
+    return 1 if answer.get("ok") is False else 0
 
 
 def _print_human(d: dict, indent: int = 0) -> None:
@@ -102,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="read the socket path from this configuration")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("cmd", choices=["status", "stats", "flush"])
+    p.add_argument("cmd", choices=["status", "stats", "reload", "backend", "drain", "flush"])
+    p.add_argument("args", nargs="*", help="backend: show | attach [file|redis|s3] | detach; drain: [cancel]")
     p.set_defaults(fn=cmd_ctl)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -543,13 +543,14 @@ class AsyncClient:
             proto.waiters.pop(rid, None)
 
 
-def control(socket_path: str, op: str, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
-    """One control request (status, stats, flush) on a connection of its own; used by `hicached ctl`."""
+def control(socket_path: str, op: str, timeout: float = DEFAULT_TIMEOUT, **args: Any) -> dict[str, Any]:
+    """One operator request (status, stats, reload, backend, drain, flush) on a connection of its own;
+    used by `hicached ctl`."""
     sock, _, fd = _connect(socket_path, timeout)
     os.close(fd)
     try:
         sock.settimeout(timeout)
-        sock.sendall(protocol.encode({"id": 1, "op": op}))
+        sock.sendall(protocol.encode({**args, "id": 1, "op": op}))
         decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
         while True:
             data = sock.recv(1 << 20)

@@ -1,15 +1,23 @@
-"""The daemon's lifecycle: build the parts from a config, start them in order, stop them in reverse."""
+"""The daemon's lifecycle: build the parts from a config, start them in order, stop them in reverse;
+and the operator's levers on a running daemon: reload, backend attach/detach, drain, flush."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+from typing import Any
 
+import config
 from config import Config
+from config.diff import plan
 from connectors import BackendError, Connector, build
 
+from .errors import BAD_REQUEST, HicachedError
+from .metrics import MetricsServer
+from .notify import Notifier, watchdog_interval
 from .pool import Pool
 from .server import Server
 from .tiers import Tiers
@@ -22,15 +30,26 @@ class Daemon:
     (`handle_signal`) that tests call directly; `shutdown_trigger` is an injectable event."""
 
     def __init__(
-        self, cfg: Config, config_path: str | None = None, shutdown_trigger: asyncio.Event | None = None
-    ):
+        self,
+        cfg: Config,
+        config_path: str | None = None,
+        shutdown_trigger: asyncio.Event | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.should_exit = shutdown_trigger
+        self.notifier = notifier or Notifier()
         self.pool: Pool | None = None
-        self.connector: Connector | None = None
         self.tiers: Tiers | None = None
         self.server: Server | None = None
+        self.metrics: MetricsServer | None = None
+        self.last_reload = "none"
+        self.reloads = {"ok": 0, "rejected": 0}
+        self._reload_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # Lifecycle.
 
     async def startup(self, listen_sock: socket.socket | None = None) -> None:
         if self.should_exit is None:
@@ -38,57 +57,73 @@ class Daemon:
         cfg = self.cfg
         self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
-        self.connector = await self._start_connector()
-        self.tiers = Tiers(cfg, self.pool, self.connector)
+        self.tiers = Tiers(cfg, self.pool, None)
         self.tiers.start()
-        self.server = Server(cfg, self.tiers, control={"flush": self._ctl_flush})
+        await self._attach_configured(startup=True)
+        self.server = Server(cfg, self.tiers, control=self._control_handlers())
         await self.server.start(listen_sock)
+        if cfg.metrics.listen:
+            self.metrics = MetricsServer(self)
+            await self.metrics.start(cfg.metrics.listen)
+        interval = watchdog_interval()
+        if interval:
+            self._spawn(self._watchdog(interval))
+        self.notifier.ready(self.status_line())
 
-    async def _start_connector(self) -> Connector | None:
+    async def _attach_configured(self, startup: bool = False) -> None:
         connector = build(self.cfg)
         if connector is None:
             log.info('no L3 backend (storage.backend = "none"): L2 only')
-            return None
+            await self.tiers.backend.attach(None)
+            return
         try:
             await connector.start()
+            await self.tiers.backend.attach(connector, probe=True)
         except BackendError as e:
             await connector.close()
-            log.error("L3 backend %s could not start (%s); serving from L2 only", connector.name, e)
-            return None
+            if not startup:
+                raise
+            log.error("L3 backend %s is not usable (%s); serving from L2 only", connector.name, e)
+            return
         log.info("L3 backend %s attached", connector.name)
-        return connector
 
     async def main_loop(self) -> None:
         await self.should_exit.wait()
 
     async def shutdown(self) -> None:
+        self.notifier.stopping()
         timeout = self.cfg.shutdown.flush_timeout
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self.server is not None:
-            self.server.stop_accepting()
             await self.server.stop(timeout=min(timeout, self.cfg.server.request_timeout))
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.tiers is not None:
-            if self.connector is not None:
+            if self.tiers.connector is not None:
                 dirty = len(self.tiers.index.dirty) + self.tiers.backup.pending
                 if dirty:
                     log.info("writing %d pages not yet in L3 before exit (up to %.0fs)", dirty, timeout)
                 if not await self.tiers.flush_dirty(timeout):
                     log.error("shutdown: %d pages did not reach L3 in time", self.tiers.backup.pending)
             await self.tiers.stop()
-        if self.connector is not None:
-            await self.connector.close()
+            await self.tiers.backend.close()
         if self.pool is not None:
             self.pool.close()
+        self.notifier.close()
         log.info("stopped")
 
     async def run(self, listen_sock: socket.socket | None = None) -> None:
         await self.startup(listen_sock)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        for sig in sigs:
             loop.add_signal_handler(sig, self.handle_signal, sig)
         try:
             await self.main_loop()
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in sigs:
                 loop.remove_signal_handler(sig)
             await self.shutdown()
 
@@ -99,7 +134,156 @@ class Daemon:
                 signal.Signals(sig).name,
             )
             self.should_exit.set()
+        elif sig == signal.SIGHUP:
+            log.info("received SIGHUP: reloading %s", self.config_path)
+            self._spawn(self.reload())
 
-    async def _ctl_flush(self, session, req) -> dict:
-        ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
-        return {"flushed": ok, "backup_pending": self.tiers.backup.pending}
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watchdog(self, interval: float) -> None:
+        # The ping comes from a coroutine on the event loop: a loop that is stuck stops pinging, and
+        # systemd restarts the daemon.
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    # Reload.
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the configuration file and apply what can change live. On any error the daemon keeps
+        running with the configuration it had, and says why."""
+        async with self._reload_lock:
+            self.notifier.reloading()
+            try:
+                result = await self._reload()
+            except (config.ConfigError, BackendError, HicachedError, OSError) as e:
+                self.reloads["rejected"] += 1
+                self.last_reload = f"rejected: {e}"
+                log.error("reload rejected, keeping the running configuration: %s", e)
+                result = {"ok": False, "error": str(e)}
+            finally:
+                self.notifier.ready(self.status_line())
+            return result
+
+    async def _reload(self) -> dict[str, Any]:
+        if not self.config_path:
+            raise HicachedError(BAD_REQUEST, "the daemon was not started from a configuration file")
+        new = config.load(self.config_path)
+        p = plan(self.cfg, new)
+        old = self.cfg
+        if p.swap_backend:
+            self._apply(p.config)
+            try:
+                await self._attach_configured()
+            except BaseException:
+                self._apply(old)
+                raise
+            self.tiers.counters["backend.swaps"] += 1
+        else:
+            self._apply(p.config)
+        if p.restart:
+            log.warning("reload: %s changed but need a restart; kept as they were", ", ".join(p.restart))
+        self.reloads["ok"] += 1
+        self.last_reload = "ok" + (f" (restart needed for {', '.join(p.restart)})" if p.restart else "")
+        log.info("reload applied: %s", ", ".join(p.live) or "nothing changed")
+        return {
+            "ok": True,
+            "applied": p.live,
+            "restart_required": p.restart,
+            "backend": self.tiers.backend.name,
+        }
+
+    def _apply(self, cfg: Config) -> None:
+        """Point every part at `cfg` and adjust what runs (workers, policy, log level)."""
+        was_write_back = self.tiers.write_back
+        self.cfg = cfg
+        self.tiers.cfg = cfg
+        self.server.cfg = cfg
+        self.tiers.backend.cfg = cfg
+        st = cfg.storage
+        b = self.tiers.backup
+        b.batch_pages, b.queue_pages = st.backup_batch_pages, st.backup_queue_pages
+        b.backoff = b.backoff.from_config(st.retry)
+        b.resize(st.backup_concurrency)
+        pf = self.tiers.prefetcher
+        pf.batch_pages, pf.queue_pages = st.prefetch_batch_pages, st.prefetch_queue_pages
+        pf.resize(st.prefetch_concurrency)
+        self.tiers.set_policy(was_write_back)
+        logging.getLogger().setLevel(cfg.logging.level.upper())
+
+    # Operator commands (hicached ctl).
+
+    def _control_handlers(self) -> dict[str, Any]:
+        async def reload(session, req) -> dict:
+            return await self.reload()
+
+        async def backend(session, req) -> dict:
+            action = req.get("action", "show")
+            if action == "show":
+                return self.tiers.backend.stats()
+            if action == "detach":
+                await self.tiers.backend.attach(None)
+                self.tiers.counters["backend.swaps"] += 1
+                log.info("backend detached by ctl: serving from L2 only")
+                return self.tiers.backend.stats()
+            if action == "attach":
+                name = req.get("name") or self.cfg.storage.backend
+                if name not in ("file", "redis", "s3"):
+                    raise HicachedError(BAD_REQUEST, f"cannot attach backend {name!r}: use file, redis or s3")
+                connector: Connector = build(self.cfg, name)
+                try:
+                    await connector.start()
+                    await self.tiers.backend.attach(connector, probe=True)
+                except BackendError as e:
+                    await connector.close()
+                    raise HicachedError(e.code, f"backend {name} was not attached: {e}") from None
+                self.tiers.counters["backend.swaps"] += 1
+                log.info("backend %s attached by ctl", name)
+                return self.tiers.backend.stats()
+            raise HicachedError(BAD_REQUEST, f"unknown backend action {action!r}: show, attach or detach")
+
+        async def drain(session, req) -> dict:
+            if req.get("cancel"):
+                self.server.draining = False
+                return {"draining": False}
+            self.server.draining = True
+            ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
+            return {"draining": True, "flushed": ok, "backup_pending": self.tiers.backup.pending}
+
+        async def flush(session, req) -> dict:
+            ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
+            return {"flushed": ok, "backup_pending": self.tiers.backup.pending}
+
+        return {
+            "reload": reload,
+            "backend": backend,
+            "drain": drain,
+            "flush": flush,
+            "status": lambda session, req: self.status(),
+        }
+
+    def status(self) -> dict[str, Any]:
+        out = self.server.status() if self.server else {}
+        out.update(
+            {
+                "backend_state": self.tiers.backend.state,
+                "last_reload": self.last_reload,
+                "reloads": dict(self.reloads),
+                "config": self.config_path or "",
+            }
+        )
+        return out
+
+    def status_line(self) -> str:
+        """One line for `systemctl status`."""
+        idx = self.tiers.index
+        used = sum(c.used * c.slot_bytes for c in idx.alloc.classes.values())
+        pct = 100.0 * used / idx.alloc.capacity
+        return (
+            f"backend {self.tiers.backend.name} ({self.tiers.backend.state}); "
+            f"pool {pct:.0f}% of {idx.alloc.capacity >> 20} MiB, {len(idx.entries)} pages; "
+            f"last reload: {self.last_reload}; pid {os.getpid()}"
+        )

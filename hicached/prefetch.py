@@ -11,10 +11,10 @@ import asyncio
 import collections
 import itertools
 import logging
-from collections.abc import Callable
 
-from connectors.base import BackendError, Connector
+from connectors.base import BackendError
 
+from .backend import Backend
 from .index import FILLING, READY, WRITING, Entry, PageIndex
 from .pool import Pool
 
@@ -33,30 +33,36 @@ class Prefetcher:
         self,
         index: PageIndex,
         pool: Pool,
-        connector: Callable[[], Connector | None],
+        backend: Backend,
         counters: collections.Counter[str],
         concurrency: int,
         batch_pages: int,
         queue_pages: int,
-        operation_timeout: float,
+        quarantine: float,
     ) -> None:
         self.index = index
         self.pool = pool
-        self.connector = connector
+        self.backend = backend
         self.counters = counters
         self.concurrency = concurrency
         self.batch_pages = batch_pages
         self.queue_pages = queue_pages
-        self.operation_timeout = operation_timeout
+        self.quarantine = quarantine
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = itertools.count()
         self.pending = 0  # pages queued or being read
         self._workers: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self._workers = [
-            asyncio.create_task(self._worker(), name=f"prefetch-{i}") for i in range(self.concurrency)
-        ]
+        self.resize(self.concurrency)
+
+    def resize(self, concurrency: int) -> None:
+        """Runs `concurrency` workers: more are started now, extra ones exit after their current batch."""
+        self.concurrency = concurrency
+        while len(self._workers) < concurrency:
+            self._workers.append(asyncio.create_task(self._worker(), name="prefetch"))
+        for _ in range(len(self._workers) - concurrency):
+            self._queue.put_nowait((float("-inf"), next(self._seq), None, None, None))  # wake one to exit
 
     async def stop(self) -> None:
         for t in self._workers:
@@ -65,12 +71,13 @@ class Prefetcher:
         self._workers = []
         while not self._queue.empty():
             _, _, _, _, batch = self._queue.get_nowait()
-            self._finish(batch, [False] * len(batch))
+            if batch is not None:
+                self._finish(batch, [False] * len(batch))
 
     def fetch(self, ns: str, keys: list[str], page_bytes: int, priority: int) -> list[Entry]:
         """Entries for the leading `keys` that are in L2 or are now being read from L3 (FILLING, with a
         future). Stops at a key being written by an engine, at a full pool and at the queue bound."""
-        if self.connector() is None:
+        if self.backend.current is None:
             return []
         out: list[Entry] = []
         new: list[tuple[int, Entry]] = []
@@ -99,8 +106,14 @@ class Prefetcher:
         return out
 
     async def _worker(self) -> None:
+        me = asyncio.current_task()
         while True:
             _, _, ns, req, batch = await self._queue.get()
+            if batch is None:  # a wake-up from resize
+                if len(self._workers) > self.concurrency:
+                    self._workers.remove(me)
+                    return
+                continue
             try:
                 if batch[0][0] > req.hole:
                     self.counters["prefetch.skipped_after_hole"] += len(batch)
@@ -120,27 +133,18 @@ class Prefetcher:
                 self._finish(batch, [False] * len(batch))
 
     async def _read(self, ns: str, entries: list[Entry]) -> list[bool]:
-        connector = self.connector()
-        if connector is None:
-            return [False] * len(entries)
+        keys = [e.key for e in entries]
         views = [self.pool.slot(e.offset, e.size) for e in entries]
         try:
-            async with asyncio.timeout(self.operation_timeout):
-                return await connector.get_into(ns, [e.key for e in entries], views)
-        except TimeoutError:
-            self.counters["prefetch.errors.timeout"] += 1
-            self._quarantine(entries)
+            return await self.backend.call("get", lambda c: c.get_into(ns, keys, views))
         except BackendError as e:
             self.counters[f"prefetch.errors.{e.reason}"] += 1
             if e.reason == "timeout":
-                self._quarantine(entries)
+                # A read that timed out may still be landing in these slots from an I/O thread: keep the
+                # slots out of use for a while instead of handing them to new pages.
+                for entry in entries:
+                    self.index.remove(entry, quarantine=self.quarantine)
         return [False] * len(entries)
-
-    def _quarantine(self, entries: list[Entry]) -> None:
-        # A read that timed out may still be landing in these slots from an I/O thread: keep the slots
-        # out of use for a while instead of handing them to new pages.
-        for e in entries:
-            self.index.remove(e, quarantine=max(10.0, 3 * self.operation_timeout))
 
     def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool]) -> None:
         self.pending -= len(batch)

@@ -19,24 +19,6 @@ VERSION = 1
 LENGTH = struct.Struct(">I")
 MAX_FRAME_HARD = 1 << 31
 
-OPS = frozenset(
-    {
-        "hello",
-        "exists",
-        "alloc",
-        "commit",
-        "abort",
-        "acquire",
-        "release",
-        "prefetch",
-        "wait",
-        "pin",
-        "unpin",
-        "stats",
-        "status",
-        "flush",
-    }
-)
 
 # Status of each key in an `alloc` answer.
 ALLOC_WRITE = 0  # write the page at the offset given, then commit

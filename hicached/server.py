@@ -30,6 +30,9 @@ log = logging.getLogger("hicached.server")
 
 Handler = Callable[[Session, dict[str, Any]], Any]
 
+# Operator requests, answered even while the daemon drains.
+CONTROL_OPS = frozenset({"status", "stats", "reload", "backend", "drain", "flush"})
+
 
 class Server:
     def __init__(self, cfg: Config, tiers: Tiers, control: dict[str, Handler] | None = None) -> None:
@@ -41,6 +44,7 @@ class Server:
         self.refused = 0
         self._refused_by_uid: dict[int, int] = {}
         self._lsock: socket.socket | None = None
+        self._owns_path = True
         self._accept_task: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[Any]] = set()
         self.handlers: dict[str, Handler] = self._engine_handlers()
@@ -50,7 +54,10 @@ class Server:
 
     async def start(self, sock: socket.socket | None = None) -> None:
         """Listen on the configured path, or on `sock` when one was handed over (socket activation)."""
+        self._owns_path = sock is None  # a socket from systemd stays systemd's: never unlinked
         self._lsock = sock if sock is not None else self._bind()
+        if sock is not None and isinstance(sock.getsockname(), str) and sock.getsockname():
+            self.path = sock.getsockname()
         self._lsock.setblocking(False)
         self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
         log.info("listening on %s", self.path)
@@ -62,7 +69,7 @@ class Server:
             self._lsock.close()
             self._lsock = None
             with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                if self._owns_path and stat.S_ISSOCK(os.lstat(self.path).st_mode):
                     os.unlink(self.path)
 
     async def stop(self, timeout: float) -> None:
@@ -319,7 +326,7 @@ class Connection(asyncio.Protocol):
         if handler is None:
             self._send(protocol.error_answer(rid, BAD_REQUEST, f"unknown op {op!r}"))
             return
-        if self.server.draining and op not in ("status", "stats"):
+        if self.server.draining and op not in CONTROL_OPS:
             self._send(protocol.error_answer(rid, DRAINING, "the daemon is shutting down"))
             return
         try:

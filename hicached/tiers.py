@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from config import Config
 from connectors.base import BackendError, Connector
 
+from .backend import Backend
 from .backup import Backup
 from .errors import BAD_REQUEST, NOT_FOUND, HicachedError
 from .index import FILLING, READY, WRITING, Entry, PageIndex
@@ -58,14 +59,17 @@ class Tiers:
         self.cfg = cfg
         self.pool = pool
         self.index = PageIndex(SlabAllocator(pool.size, cfg.pool.slab_size))
-        self.connector = connector
         self.counters: collections.Counter[str] = collections.Counter()
+        self.backend = Backend(cfg, self.counters)
+        self.backend.current = connector
+        self.backend.on_attach = self._attached
+        self.backend.on_detach = self._detached
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
         self.backup = Backup(
             self.index,
             pool,
-            lambda: self.connector,
+            self.backend,
             self.counters,
             st.backup_concurrency,
             st.backup_batch_pages,
@@ -75,16 +79,40 @@ class Tiers:
         self.prefetcher = Prefetcher(
             self.index,
             pool,
-            lambda: self.connector,
+            self.backend,
             self.counters,
             st.prefetch_concurrency,
             st.prefetch_batch_pages,
             st.prefetch_queue_pages,
-            st.operation_timeout,
+            max(10.0, 3 * st.operation_timeout),
         )
         self._pressure = asyncio.Event()
         self._writeback_task: asyncio.Task[None] | None = None
         self.pinned_bytes = 0
+
+    @property
+    def connector(self) -> Connector | None:
+        return self.backend.current
+
+    def _attached(self, connector: Connector) -> None:
+        """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
+        n = 0
+        for entry in self.index.entries.values():
+            if entry.state == READY and not entry.in_l3 and not entry.dirty:
+                entry.dirty = True
+                self.index.update(entry)
+                if not self.write_back:
+                    self.backup.submit(entry)
+                n += 1
+        if n:
+            log.info("queued %d pages that are not in L3 yet for %s", n, connector.name)
+
+    def _detached(self) -> None:
+        """No backend: nothing can be written, so dirty pages stop holding their slots (they are backed up
+        when a backend attaches again)."""
+        for entry in [e for e in self.index.entries.values() if e.dirty]:
+            entry.dirty = False
+            self.index.update(entry)
 
     @property
     def write_back(self) -> bool:
@@ -102,6 +130,17 @@ class Tiers:
             await asyncio.gather(self._writeback_task, return_exceptions=True)
         await self.prefetcher.stop()
         await self.backup.stop()
+
+    def set_policy(self, was_write_back: bool) -> None:
+        """Follow a change of storage.write_policy made by a reload."""
+        if self.write_back and not was_write_back:
+            self._writeback_task = asyncio.create_task(self._writeback_loop(), name="writeback")
+        elif was_write_back and not self.write_back:
+            if self._writeback_task is not None:
+                self._writeback_task.cancel()
+                self._writeback_task = None
+            for entry in list(self.index.dirty.values()):
+                self.backup.submit(entry)
 
     async def flush_dirty(self, timeout: float) -> bool:
         """Queue every dirty page for L3 and wait for the queue to drain (shutdown, drain)."""
@@ -218,11 +257,11 @@ class Tiers:
         n = len(self._leading_l2(s.ns, keys))
         self.counters["lookup.l2_hits"] += n
         if n < len(keys) and self.connector is not None:
+            rest = keys[n:]
             try:
-                async with asyncio.timeout(self.cfg.storage.operation_timeout):
-                    more = await self.connector.exists(s.ns, keys[n:])
-            except (BackendError, TimeoutError) as e:
-                self.counters[f"lookup.l3_errors.{getattr(e, 'reason', 'timeout')}"] += 1
+                more = await self.backend.call("exists", lambda c: c.exists(s.ns, rest))
+            except BackendError as e:
+                self.counters[f"lookup.l3_errors.{e.reason}"] += 1
                 more = 0
             self.counters["lookup.l3_hits"] += more
             n += more
@@ -371,6 +410,11 @@ class Tiers:
             "prefetch": {"pending": self.prefetcher.pending},
             "pinned_bytes": self.pinned_bytes,
             "namespaces": dict(self.namespaces),
-            "backend": self.connector.name if self.connector else "none",
+            "backend": self.backend.name,
+            "backend_state": self.backend.state,
             "backend_counters": dict(self.connector.counters) if self.connector else {},
+            "latency": {
+                f"{name}.{op}": {"count": h.count, "sum_s": round(h.sum, 6)}
+                for (name, op), h in self.backend.latency.items()
+            },
         }
