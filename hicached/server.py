@@ -40,7 +40,8 @@ class Server:
         self.tiers = tiers
         self.path = resolve_path(cfg, cfg.server.socket)
         self.connections: set[Connection] = set()
-        self.draining = False
+        self.draining = False  # engine requests are answered `draining` (ctl drain, shutdown)
+        self.stopping = False  # no new connections either
         self.refused = 0
         self._refused_by_uid: dict[int, int] = {}
         self._lsock: socket.socket | None = None
@@ -74,7 +75,7 @@ class Server:
 
     async def stop(self, timeout: float) -> None:
         """Stop accepting, answer what is in flight (bounded by `timeout`), then close every connection."""
-        self.draining = True
+        self.draining = self.stopping = True
         self.stop_accepting()
         if self._accept_task is not None:
             await asyncio.gather(self._accept_task, return_exceptions=True)
@@ -164,7 +165,7 @@ class Server:
                     )
                 self._refuse(sock, UNAUTHORIZED, f"uid {uid} / gid {gid} may not use this daemon")
                 return
-            if self.draining:
+            if self.stopping:
                 self._refuse(sock, DRAINING, "the daemon is shutting down")
                 return
             if len(self.connections) >= self.cfg.server.max_connections:
@@ -327,7 +328,8 @@ class Connection(asyncio.Protocol):
             self._send(protocol.error_answer(rid, BAD_REQUEST, f"unknown op {op!r}"))
             return
         if self.server.draining and op not in CONTROL_OPS:
-            self._send(protocol.error_answer(rid, DRAINING, "the daemon is shutting down"))
+            why = "shutting down" if self.server.stopping else "draining (hicached ctl drain)"
+            self._send(protocol.error_answer(rid, DRAINING, f"the daemon is {why}"))
             return
         try:
             result = handler(self.session, msg)
