@@ -80,3 +80,12 @@ def test_keys_validation():
         assert not valid_key(bad)
     with pytest.raises(ValueError, match="invalid key"):
         check_keys(["ok", "no/pe"])
+
+
+def test_trailing_newline_is_not_a_valid_key_or_namespace():
+    # Regression: `^...$` with re.match let "ab\n" through, and such names reached file paths.
+    assert not valid_key("ab\n") and not valid_namespace("ns\n")
+    with pytest.raises(ValueError):
+        check_keys(["ab\ncd"])  # would split into two valid-looking keys when joined
+    with pytest.raises(ValueError):
+        check_keys(["ok", "é"])
