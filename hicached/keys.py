@@ -60,9 +60,9 @@ def _as_uint32(token_ids: Any) -> np.ndarray:
 
 
 def valid_namespace(namespace: Any) -> bool:
-    return (
-        isinstance(namespace, str) and bool(_NAMESPACE_RE.fullmatch(namespace)) and namespace not in (".", "..")
-    )
+    if not isinstance(namespace, str) or namespace in (".", ".."):
+        return False
+    return bool(_NAMESPACE_RE.fullmatch(namespace))
 
 
 def check_namespace(namespace: Any) -> str:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from config import Config
 from connectors.base import BackendError, Connector
@@ -48,6 +49,8 @@ class Session:
     writing: dict[str, Entry] = field(default_factory=dict)
     handles: dict[int, Handle] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # hicached.regions.SessionRegions once the connection registers a memory region.
+    regions: Any = None
 
     def require_hello(self) -> None:
         if not self.ns:
@@ -252,6 +255,15 @@ class Tiers:
                 break
             out.append(entry)
         return out
+
+    def exists_l2(self, s: Session, keys: list[str]) -> int | None:
+        """The answer to `exists` when L2 alone settles it (all keys there, or no L3), else None."""
+        n = len(self._leading_l2(s.ns, keys))
+        if n == len(keys) or self.connector is None:
+            self.counters["lookup.l2_hits"] += n
+            self.counters["lookup.misses"] += len(keys) > n
+            return n
+        return None
 
     async def exists(self, s: Session, keys: list[str]) -> int:
         n = len(self._leading_l2(s.ns, keys))
