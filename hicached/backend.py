@@ -29,6 +29,18 @@ T = TypeVar("T")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class _Pending:
+    """Stands in `Backend.tripped` while the configured backend has not started yet."""
+
+    name = "pending"
+
+    def __init__(self, error: BackendError) -> None:
+        self.error = error
+
+    async def close(self) -> None:
+        pass
+
+
 class Histogram:
     __slots__ = ("counts", "sum", "count")
 
@@ -70,6 +82,8 @@ class Backend:
     def state(self) -> str:
         if self.current is not None:
             return "attached"
+        if isinstance(self.tripped, _Pending):
+            return "starting"
         return "breaker_open" if self.tripped is not None else "detached"
 
     async def call(self, op: str, fn: Callable[[Connector], Awaitable[T]]) -> T:
@@ -141,6 +155,40 @@ class Backend:
                 self.on_attach(conn)
             return
 
+    def attach_when_ready(self, factory: Callable[[], Connector], first_error: BackendError) -> None:
+        """The configured backend could not start: serve from L2 and keep trying to build, start and
+        probe a new connector with backoff; attach the first one that answers."""
+        self.tripped = _Pending(first_error)
+        self._probe_task = asyncio.get_running_loop().create_task(
+            self._start_until_ready(factory, self.tripped)
+        )
+
+    async def _start_until_ready(self, factory: Callable[[], Connector], token: _Pending) -> None:
+        br = self.cfg.storage.breaker
+        backoff = Backoff(attempts=1 << 30, base=br.probe_interval, max=br.probe_max_interval, jitter=0.1)
+        attempt = 1
+        while self.tripped is token:
+            await asyncio.sleep(backoff.delay(attempt))
+            attempt += 1
+            conn = factory()
+            try:
+                await conn.start()
+                await conn.probe(timeout=self.cfg.storage.operation_timeout)
+            except (BackendError, OSError) as e:
+                await conn.close()
+                self.counters["backend.probe_failures"] += 1
+                log.debug("backend %s still not usable: %s", conn.name, e)
+                continue
+            if self.tripped is not token:
+                await conn.close()
+                return
+            log.info("L3 backend %s is usable now; attached", conn.name)
+            self.tripped = None
+            self.current = conn
+            self.counters["backend.reattached"] += 1
+            self.on_attach(conn)
+            return
+
     async def _stop_probing(self) -> None:
         self.tripped = None
         if self._probe_task is not None:
@@ -157,7 +205,7 @@ class Backend:
             except BaseException:
                 await new.close()
                 raise
-        old = self.current or self.tripped
+        old = self.current or (self.tripped if isinstance(self.tripped, Connector) else None)
         await self._stop_probing()
         self.current = new
         self._failures = 0
@@ -185,7 +233,10 @@ class Backend:
         await old.close()
 
     async def close(self) -> None:
+        tripped = self.tripped if isinstance(self.tripped, Connector) else None
         await self._stop_probing()
+        if tripped is not None:
+            await tripped.close()
         old, self.current = self.current, None
         if old is not None:
             await self._drain_and_close(old)

@@ -83,7 +83,13 @@ class Daemon:
             await connector.close()
             if not startup:
                 raise
-            log.error("L3 backend %s is not usable (%s); serving from L2 only", connector.name, e)
+            log.error(
+                "L3 backend %s is not usable (%s); serving from L2 only and retrying with backoff",
+                connector.name,
+                e,
+            )
+            cfg = self.cfg
+            self.tiers.backend.attach_when_ready(lambda: build(cfg), e)
             return
         log.info("L3 backend %s attached", connector.name)
 
@@ -145,9 +151,20 @@ class Daemon:
 
     async def _watchdog(self, interval: float) -> None:
         # The ping comes from a coroutine on the event loop: a loop that is stuck stops pinging, and
-        # systemd restarts the daemon.
+        # systemd restarts the daemon. So does a copy executor with a job that never ends.
+        stalled = False
         while True:
-            self.notifier.watchdog()
+            age = self.server.regions.copier.oldest_age() if self.server else 0.0
+            if age <= self.cfg.regions.copy_stall_timeout:
+                self.notifier.watchdog()
+                stalled = False
+            elif not stalled:
+                stalled = True
+                log.error(
+                    "a region copy has run for %.0fs (regions.copy_stall_timeout): no longer pinging the "
+                    "watchdog",
+                    age,
+                )
             await asyncio.sleep(interval)
 
     # Reload.
@@ -163,7 +180,7 @@ class Daemon:
                 self.reloads["rejected"] += 1
                 self.last_reload = f"rejected: {e}"
                 log.error("reload rejected, keeping the running configuration: %s", e)
-                result = {"ok": False, "error": str(e)}
+                result = {"ok": False, "reason": str(e)}
             finally:
                 self.notifier.ready(self.status_line())
             return result
