@@ -197,6 +197,7 @@ class Daemon:
                 await self._attach_configured()
             except BaseException:
                 self._apply(old)
+                self.tiers.counters["backend.swap_failures"] += 1
                 raise
             self.tiers.counters["backend.swaps"] += 1
         else:
@@ -256,6 +257,7 @@ class Daemon:
                     await self.tiers.backend.attach(connector, probe=True)
                 except BackendError as e:
                     await connector.close()
+                    self.tiers.counters["backend.swap_failures"] += 1
                     raise HicachedError(e.code, f"backend {name} was not attached: {e}") from None
                 self.tiers.counters["backend.swaps"] += 1
                 log.info("backend %s attached by ctl", name)

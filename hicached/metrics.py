@@ -30,13 +30,15 @@ _COUNTERS = {
     "store.pages": ("hicached_stored_pages_total", {}),
     "store.bytes": ("hicached_stored_bytes_total", {}),
     "load.pages": ("hicached_loaded_pages_total", {}),
+    "load.bytes": ("hicached_loaded_bytes_total", {}),
     "load.misses": ("hicached_load_misses_total", {}),
     "prefetch.pages": ("hicached_prefetched_pages_total", {}),
     "prefetch.bytes": ("hicached_prefetched_bytes_total", {}),
     "backup.pages": ("hicached_backed_up_pages_total", {}),
     "backup.bytes": ("hicached_backed_up_bytes_total", {}),
     "backup.failed": ("hicached_backup_failed_pages_total", {}),
-    "backend.swaps": ("hicached_backend_swaps_total", {}),
+    "backend.swaps": ("hicached_backend_swaps_total", {"outcome": "ok"}),
+    "backend.swap_failures": ("hicached_backend_swaps_total", {"outcome": "failed"}),
     "backend.breaker_trips": ("hicached_breaker_trips_total", {}),
 }
 

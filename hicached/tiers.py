@@ -298,6 +298,7 @@ class Tiers:
         for e in entries[n:]:
             self.index.unlease(e)
         self.counters["load.pages"] += n
+        self.counters["load.bytes"] += n * s.page_bytes
         self.counters["load.misses"] += len(keys) > n
         if n == 0:
             return 0, []
