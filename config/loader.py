@@ -186,6 +186,8 @@ def validate(cfg: Config) -> None:
     if st.backend == "s3" and not s3.bucket:
         raise ConfigError("storage.s3.bucket", 'must name a bucket when storage.backend = "s3"')
     _positive(cfg.shutdown, "shutdown", "flush_timeout")
+    _positive(cfg.regions, "regions", "max_per_connection", "max_bytes_per_connection", "copy_threads")
+    _positive(cfg.regions, "regions", "copy_stall_timeout")
     if cfg.metrics.listen:
         host, sep, port = cfg.metrics.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
