@@ -4,7 +4,9 @@ header (connectors.header) followed by the payload, written to a temporary name 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import itertools
 import logging
 import os
 import secrets
@@ -16,6 +18,7 @@ from typing import Any
 
 import aiofiles.os
 import aiofiles.ospath
+import xxhash
 
 from config import Config, resolve_path
 from hicached.keys import valid_key, valid_namespace
@@ -28,6 +31,14 @@ log = logging.getLogger("hicached.connectors.file")
 _HIT, _MISS, _CANCELLED = "hit", "miss", "cancelled"
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+# A batch goes to the io threads in jobs of at least this many bytes (or one job): each job costs thread
+# hand-offs that outweigh the I/O of a few small pages, and the callers' own concurrency keeps threads busy.
+# Measured with 16-page batches: one job instead of eight for 256 KiB pages takes ~15 % less CPU; for 2 MiB
+# pages, 1, 2, 4 or 8 jobs make no difference.
+_JOB_MIN_BYTES = 8 << 20
+# Payloads are read in chunks of this size, each hashed right after it is read, while it is still in the CPU
+# cache; hashing a 2 MiB page in a pass of its own costs about 10 % more CPU per page.
+_CHUNK = 256 << 10
 
 
 def _errname(e: OSError) -> str:
@@ -60,8 +71,9 @@ def _pwritev_all(fd: int, bufs: list[memoryview]) -> None:
         bufs = _advance(bufs, n)
 
 
-def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
-    offset = 0
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
+    """Reads until `bufs` are full or the file ends; returns the bytes read."""
+    start = offset
     bufs = _advance(bufs, 0)
     while bufs:
         n = os.preadv(fd, bufs, offset)
@@ -69,7 +81,7 @@ def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
             break
         offset += n
         bufs = _advance(bufs, n)
-    return offset
+    return offset - start
 
 
 class FileConnector(Connector):
@@ -88,6 +100,10 @@ class FileConnector(Connector):
         self._timeout = cfg.storage.operation_timeout
         self._executor = ThreadPoolExecutor(max_workers=fc.io_threads, thread_name_prefix="hicached-file")
         self._closed = False
+        # Temporary names: a tag drawn once (a restarted daemon must not meet its predecessor's leftovers)
+        # and a counter, instead of a getrandom call per page.
+        self._tmp_tag = secrets.token_hex(4)
+        self._tmp_seq = itertools.count()
 
     async def start(self) -> None:
         kw = {"executor": self._executor}
@@ -186,18 +202,18 @@ class FileConnector(Connector):
             raise BackendUnavailable(self.name, f"{what} failed: {e}", _errname(e)) from None
 
     async def _batch(self, chunk_fn: Callable[..., list], namespace: str, keys, views, what: str) -> list:
-        """Runs `chunk_fn` over at most io_threads slices of the batch at once, one executor job each."""
+        """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES)."""
         stop = threading.Event()
         n = len(keys)
-        parts = [slice(i * n // self._threads, (i + 1) * n // self._threads) for i in range(self._threads)]
-        parts = [s for s in parts if s.start < s.stop]
+        jobs = max(1, min(self._threads, n, sum(v.nbytes for v in views) // _JOB_MIN_BYTES))
+        parts = [slice(i * n // jobs, (i + 1) * n // jobs) for i in range(jobs)]
 
         async def run_all(executor: ThreadPoolExecutor) -> list:
             run = asyncio.get_running_loop().run_in_executor
-            jobs = [run(executor, chunk_fn, namespace, keys[s], views[s], stop) for s in parts]
+            futures = [run(executor, chunk_fn, namespace, keys[s], views[s], stop) for s in parts]
             # Every job is awaited before we answer (unless timed out), so no worker writes into a buffer
             # that the caller already took back as a miss.
-            return await asyncio.gather(*jobs, return_exceptions=True)
+            return await asyncio.gather(*futures, return_exceptions=True)
 
         try:
             done = await self._call(run_all, what=what)
@@ -242,13 +258,12 @@ class FileConnector(Connector):
 
     def _write_one(self, namespace: str, key: str, payload: memoryview) -> None:
         final = self._path(namespace, key)
-        directory = os.path.dirname(final)
-        tmp = f"{directory}/.{key}.{secrets.token_hex(6)}.tmp"
+        directory = final[: final.rindex("/")]
+        tmp = f"{directory}/.{key}.{self._tmp_tag}{next(self._tmp_seq)}.tmp"
         try:
             fd = os.open(tmp, _TMP_FLAGS, 0o600)
-        except FileNotFoundError:
-            self._check_root()  # makedirs below must never re-create a vanished root
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except FileNotFoundError:  # the first page of a shard: existing directories are never re-checked
+            self._make_shard(directory)
             fd = os.open(tmp, _TMP_FLAGS, 0o600)
         try:
             try:
@@ -265,8 +280,25 @@ class FileConnector(Connector):
                 pass
             raise
 
+    def _make_shard(self, directory: str) -> None:
+        """Creates `directory` and its missing parents up to the namespace directory, never the root: a
+        missing root fails the call (BackendUnavailable) instead of being quietly re-created."""
+        try:
+            os.mkdir(directory, 0o700)
+        except FileNotFoundError:
+            parent = directory[: directory.rindex("/")]
+            if parent == self.root:
+                self._check_root()
+                raise
+            self._make_shard(parent)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
+        except FileExistsError:  # another thread made it
+            pass
+
     def _read_chunk(self, namespace: str, keys, views, stop: threading.Event) -> list[Any]:
         out: list[Any] = []
+        absent = False
         for key, view in zip(keys, views, strict=True):
             if stop.is_set():
                 out.append(_CANCELLED)
@@ -275,30 +307,39 @@ class FileConnector(Connector):
             else:
                 try:
                     out.append(self._read_one(namespace, key, view))
+                except (FileNotFoundError, NotADirectoryError):  # from the open: no such page
+                    absent = True
+                    out.append(_MISS)
                 except OSError as e:
                     out.append(e)
+        if absent:  # once per job: a missing page is a miss, a missing root fails the call
+            self._check_root()
         return out
 
     def _read_one(self, namespace: str, key: str, dest: memoryview) -> Any:
         path = self._path(namespace, key)
-        try:
-            fd = os.open(path, _READ_FLAGS)
-        except (FileNotFoundError, NotADirectoryError):
-            self._check_root()
-            return _MISS
+        fd = os.open(path, _READ_FLAGS)
         try:
             st = os.fstat(fd)
-            expected = header.HEADER_SIZE + dest.nbytes
+            size = dest.nbytes
+            expected = header.HEADER_SIZE + size
             try:
                 if st.st_size < header.HEADER_SIZE:
                     raise header.CorruptPage("short", f"file of {st.st_size} bytes holds no header")
                 if st.st_size != expected:
                     raise header.CorruptPage("length", f"file of {st.st_size} bytes, expected {expected}")
                 head = bytearray(header.HEADER_SIZE)
-                got = _preadv_all(fd, [memoryview(head), dest])
+                end = min(size, _CHUNK)
+                got = _preadv_all(fd, [memoryview(head), dest[:end]])
+                hasher = xxhash.xxh3_64(dest[:end])
+                while got == header.HEADER_SIZE + end and end < size:
+                    start, end = end, min(size, end + _CHUNK)
+                    got += _preadv_all(fd, [dest[start:end]], header.HEADER_SIZE + start)
+                    hasher.update(dest[start:end])
                 if got != expected:
                     raise header.CorruptPage("short", f"read {got} of {expected} bytes")
-                header.verify(head, namespace, key, dest)
+                if hasher.intdigest() != header.parse(head, namespace, key, size):
+                    raise header.CorruptPage("checksum", "payload checksum does not match the header")
                 return _HIT
             except header.CorruptPage as e:
                 self._remove_if_same(path, st)

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import glob
 import os
+import shutil
 import stat
 import threading
 
@@ -200,6 +201,17 @@ async def test_corrupt_page_is_a_counted_miss_and_removed(tmp_path, damage, reas
         assert await conn.exists(NS, [k]) == 0
 
 
+@pytest.mark.parametrize("offset", [256 * KiB + 3, MiB + 4])
+async def test_corrupt_byte_in_a_later_chunk_is_caught(tmp_path, offset: int) -> None:
+    async with started(tmp_path) as conn:
+        k, size = key(8), MiB + 5  # read and hashed in several chunks
+        await conn.put(NS, [k], [page(8, size)])
+        _flip(path_of(conn, k), header.HEADER_SIZE + offset)
+        assert await conn.get_into(NS, [k], [memoryview(bytearray(size))]) == [False]
+        assert conn.counters["corrupt.checksum"] == 1
+        assert not is_file(path_of(conn, k))
+
+
 async def test_page_renamed_to_another_key_is_a_miss(tmp_path) -> None:
     async with started(tmp_path) as conn:
         a, b = key(1), key(2)
@@ -263,10 +275,36 @@ def _ij(n: int, m: int):
 async def test_large_batch_is_split_across_threads_in_order(tmp_path) -> None:
     async with started(tmp_path, io_threads=3) as conn:
         keys = [key(i) for i in range(50)]
-        assert await conn.put(NS, keys, [page(i, 1000 + i) for i in range(50)]) == [True] * 50
-        bufs = [memoryview(bytearray(1000 + i)) for i in range(50)]
+        sizes = [512 * KiB + i for i in range(50)]  # 25 MiB: three jobs
+        assert await conn.put(NS, keys, [page(i, n) for i, n in enumerate(sizes)]) == [True] * 50
+        bufs = [memoryview(bytearray(n)) for n in sizes]
         assert await conn.get_into(NS, keys, bufs) == [True] * 50
-        assert all(buf == page(i, 1000 + i) for i, buf in enumerate(bufs))
+        assert all(buf == page(i, n) for i, (buf, n) in enumerate(zip(bufs, sizes, strict=True)))
+
+
+@pytest.mark.parametrize(
+    "pages, size, jobs",
+    [(16, 256 * KiB, [16]), (16, 2 * MiB, [4, 4, 4, 4]), (3, 8 * MiB, [1, 1, 1]), (40, 2 * MiB, [5] * 8)],
+)
+async def test_batch_goes_to_few_big_jobs(tmp_path, pages: int, size: int, jobs: list[int]) -> None:
+    # Every job costs thread hand-offs: small pages share one, big ones spread over at most io_threads.
+    async with started(tmp_path, io_threads=8) as conn:
+        seen: list[tuple[str, int]] = []
+
+        def spy(fn):
+            def chunk(namespace, keys, views, stop):
+                seen.append((fn.__name__, len(keys)))
+                return fn(namespace, keys, views, stop)
+
+            return chunk
+
+        conn._write_chunk, conn._read_chunk = spy(conn._write_chunk), spy(conn._read_chunk)
+        keys = [key(i) for i in range(pages)]
+        assert await conn.put(NS, keys, [page(i, size) for i in range(pages)]) == [True] * pages
+        assert await conn.get_into(NS, keys, [memoryview(bytearray(size)) for _ in keys]) == [True] * pages
+        assert sorted(seen) == sorted(
+            [("_write_chunk", n) for n in jobs] + [("_read_chunk", n) for n in jobs]
+        )
 
 
 async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch) -> None:
@@ -326,6 +364,33 @@ async def test_file_in_place_of_a_shard_directory(tmp_path) -> None:
         assert await conn.get_into(NS, [bad], [buf]) == [False]
         assert await conn.exists(NS, [bad]) == 0
         assert await conn.exists(NS, [good]) == 1
+
+
+async def test_removed_shard_directories_are_made_again(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        a, b = "ab" + "0" * 62, "ab" + "1" * 62  # same shard
+        assert await conn.put(NS, [a], [page(1, 4 * KiB)]) == [True]
+        shutil.rmtree(os.path.join(conn.root, NS))
+        assert await conn.put(NS, [b, a], [page(2, 4 * KiB), page(1, 4 * KiB)]) == [True, True]
+        assert await conn.exists(NS, [a, b]) == 2
+        assert stat.S_IMODE(os.stat(os.path.dirname(path_of(conn, a))).st_mode) == 0o700
+
+
+async def test_root_is_checked_only_after_a_failure(tmp_path, monkeypatch) -> None:
+    async with started(tmp_path) as conn:
+        checks = []
+        real = conn._check_root
+        monkeypatch.setattr(conn, "_check_root", lambda: checks.append(1) or real())
+        keys = [key(i) for i in range(16)]
+        assert await conn.put(NS, keys, [page(i, 4 * KiB) for i in range(16)]) == [True] * 16
+        assert await conn.get_into(NS, keys, [memoryview(bytearray(4 * KiB)) for _ in keys]) == [True] * 16
+        assert checks == []
+        missing = [key(i) for i in range(100, 116)]
+        assert (
+            await conn.get_into(NS, missing, [memoryview(bytearray(4 * KiB)) for _ in missing])
+            == [False] * 16
+        )
+        assert checks == [1]  # once for the job, not once per missing page
 
 
 async def test_invalid_namespace_or_key_never_escapes_the_root(tmp_path) -> None:
