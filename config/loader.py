@@ -186,6 +186,10 @@ def validate(cfg: Config) -> None:
     if st.backend == "s3" and not s3.bucket:
         raise ConfigError("storage.s3.bucket", 'must name a bucket when storage.backend = "s3"')
     _positive(cfg.shutdown, "shutdown", "flush_timeout")
+    if not 0.0 <= cfg.warmup.max_fraction <= 1.0:
+        raise ConfigError("warmup.max_fraction", "must be between 0 and 1")
+    if cfg.warmup.enabled and not cfg.warmup.state_file:
+        raise ConfigError("warmup.state_file", "must name a file when warmup.enabled = true")
     _positive(cfg.regions, "regions", "max_per_connection", "max_bytes_per_connection", "copy_threads")
     _positive(cfg.regions, "regions", "copy_stall_timeout")
     if cfg.metrics.listen:

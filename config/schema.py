@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from .units import GiB, MiB
+from .units import GiB, MiB, TiB
 
 # Markers read by the loader: a Size is written "4GiB" (or bytes), a Duration "500ms" (or seconds),
 # a Mode an octal string such as "0660".
@@ -153,6 +153,28 @@ class ShutdownConfig:
 
 
 @dataclass
+class RegionsConfig:
+    # Engine memory regions (host memfds, CUDA tensors) that the daemon copies pages out of and into.
+    max_per_connection: int = 64
+    max_bytes_per_connection: Size = 1 * TiB
+    # Threads that copy between host regions and L2 (numpy copyto releases the GIL; keep it small).
+    copy_threads: int = 2
+    # A copy job running longer than this is stuck: the daemon stops pinging the systemd watchdog.
+    copy_stall_timeout: Duration = 60.0
+
+
+@dataclass
+class WarmupConfig:
+    # After a start, refill L2 from L3 with the pages it held before (pinned first), from the warm list.
+    enabled: bool = True
+    state_file: Path = "state/warm.msgpack"
+    # At most this share of the pool is warmed; the rest is left for what engines ask for.
+    max_fraction: float = 0.8
+    # The warm list is also written this often, so a crash leaves a recent one. 0: only at shutdown.
+    snapshot_interval: Duration = 60.0
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -160,5 +182,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    regions: RegionsConfig = field(default_factory=RegionsConfig)
     # Directory of the file the configuration came from; relative paths resolve against it.
     base_dir: str = field(default=".", metadata={"internal": True})

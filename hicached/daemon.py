@@ -15,6 +15,7 @@ from config import Config
 from config.diff import plan
 from connectors import BackendError, Connector, build
 
+from . import warmup
 from .errors import BAD_REQUEST, HicachedError
 from .metrics import MetricsServer
 from .notify import Notifier, watchdog_interval
@@ -65,6 +66,8 @@ class Daemon:
         if cfg.metrics.listen:
             self.metrics = MetricsServer(self)
             await self.metrics.start(cfg.metrics.listen)
+        if cfg.warmup.enabled:
+            self._spawn(self._warmup())
         interval = watchdog_interval()
         if interval:
             self._spawn(self._watchdog(interval))
@@ -93,6 +96,40 @@ class Daemon:
             return
         log.info("L3 backend %s attached", connector.name)
 
+    def _warm_path(self) -> str:
+        return config.resolve_path(self.cfg, self.cfg.warmup.state_file)
+
+    def _warm_limit(self) -> int:
+        return int(self.cfg.warmup.max_fraction * self.pool.size)
+
+    async def _warmup(self) -> None:
+        loop = asyncio.get_running_loop()
+        pages = await loop.run_in_executor(None, warmup.load, self._warm_path())
+        if pages:
+            if self.tiers.connector is None:
+                log.info("warmup: %d pages listed, but no backend is attached to read them from", len(pages))
+            else:
+                await warmup.warm(self.tiers, pages, self._warm_limit())
+        interval = self.cfg.warmup.snapshot_interval
+        while interval > 0:
+            await asyncio.sleep(interval)
+            pages = await warmup.snapshot_async(self.tiers.index, self._warm_limit())
+            try:
+                await loop.run_in_executor(None, warmup.save, self._warm_path(), pages)
+            except OSError as e:
+                log.warning("could not write the warm list %s: %s", self._warm_path(), e)
+            interval = self.cfg.warmup.snapshot_interval
+
+    def _save_warm_list(self) -> None:
+        if not self.cfg.warmup.enabled or self.tiers is None:
+            return
+        pages = warmup.snapshot(self.tiers.index, self._warm_limit())
+        try:
+            warmup.save(self._warm_path(), pages)
+            log.info("warm list of %d pages written to %s", len(pages), self._warm_path())
+        except OSError as e:
+            log.warning("could not write the warm list %s: %s", self._warm_path(), e)
+
     async def main_loop(self) -> None:
         await self.should_exit.wait()
 
@@ -114,6 +151,7 @@ class Daemon:
                 if not await self.tiers.flush_dirty(timeout):
                     log.error("shutdown: %d pages did not reach L3 in time", self.tiers.backup.pending)
             await self.tiers.stop()
+            self._save_warm_list()
             await self.tiers.backend.close()
         if self.pool is not None:
             self.pool.close()

@@ -126,6 +126,10 @@ class PageIndex:
         else:
             self.dirty.pop(k, None)
 
+    def lru_lists(self) -> list[OrderedDict[tuple[str, str], Entry]]:
+        """The evictable pages of each size class, least recently used first."""
+        return list(self._lru.values())
+
     def touch(self, entry: Entry) -> None:
         lru = self._lru.get(entry.cls)
         k = (entry.ns, entry.key)

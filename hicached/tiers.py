@@ -373,16 +373,25 @@ class Tiers:
             entry = self.index.get(s.ns, key)
             if entry is None or entry.state != READY:
                 continue
-            if not entry.pinned:
-                if self.pinned_bytes + entry.cls.slot_bytes > limit:
-                    raise HicachedError(
-                        "no_space", f"pinning more would exceed pool.max_pinned_fraction; {n} pages pinned"
-                    )
-                entry.pinned = True
-                self.pinned_bytes += entry.cls.slot_bytes
-                self.index.update(entry)
+            if not entry.pinned and not self.pin_entry(entry, limit):
+                raise HicachedError(
+                    "no_space", f"pinning more would exceed pool.max_pinned_fraction; {n} pages pinned"
+                )
             n += 1
         return n
+
+    def pin_entry(self, entry: Entry, limit: float | None = None) -> bool:
+        """Pins one page unless that would pass `limit` bytes of pins (default: pool.max_pinned_fraction)."""
+        if entry.pinned:
+            return True
+        if limit is None:
+            limit = self.cfg.pool.max_pinned_fraction * self.index.alloc.capacity
+        if self.pinned_bytes + entry.cls.slot_bytes > limit:
+            return False
+        entry.pinned = True
+        self.pinned_bytes += entry.cls.slot_bytes
+        self.index.update(entry)
+        return True
 
     def unpin(self, s: Session, keys: list[str]) -> int:
         n = 0

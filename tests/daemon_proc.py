@@ -54,6 +54,8 @@ BASE_CONFIG: dict[str, Any] = {
     "storage": {"backend": "file", "file": {"root": "data"}, "retry": {"base": "10ms", "attempts": 3}},
     "logging": {"level": "info"},
     "shutdown": {"flush_timeout": "30s"},
+    # Off unless a test is about it: tests of the L3 read path want an empty L2 after a restart.
+    "warmup": {"enabled": False},
 }
 
 

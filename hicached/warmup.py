@@ -1,0 +1,140 @@
+"""Warmup: after a cold start, refill L2 from L3 with what was in it before, pinned pages first.
+
+The daemon keeps a warm list: the pages of L2 that are also in L3, pinned ones first, then the most
+recently used, with their namespace and page size. It is written atomically at shutdown and every
+`warmup.snapshot_interval`, so a crash still leaves a recent one. At start-up the list is read back and
+prefetched at a priority below any engine's request, up to `warmup.max_fraction` of the pool; pinned pages
+are pinned again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+
+import msgpack
+
+from .index import READY, PageIndex
+from .keys import valid_key, valid_namespace
+
+log = logging.getLogger("hicached.warmup")
+
+FORMAT = 1
+PINNED_PRIORITY = -1  # below every engine prefetch (priority >= 0), above the rest of the warmup
+WARM_PRIORITY = -2
+CHUNK = 16  # keys per fetch: a page gone from L3 then only skips its own chunk
+
+
+@dataclass(frozen=True)
+class WarmPage:
+    ns: str
+    key: str
+    page_bytes: int
+    pinned: bool
+
+
+def snapshot(index: PageIndex, limit_bytes: int) -> list[WarmPage]:
+    """Pages worth warming, in the order to warm them: pinned, then most recently used first."""
+    ordered = [e for e in index.entries.values() if e.pinned]
+    for lru in index.lru_lists():
+        ordered.extend(reversed(lru.values()))
+    return _take(ordered, limit_bytes)
+
+
+async def snapshot_async(index: PageIndex, limit_bytes: int, step: int = 20000) -> list[WarmPage]:
+    """The same, giving the event loop a turn every `step` pages (a large pool holds many)."""
+    pinned = [e for e in list(index.entries.values()) if e.pinned]
+    ordered = list(pinned)
+    for lru in index.lru_lists():
+        values = list(lru.values())
+        for i in range(len(values), 0, -step):
+            ordered.extend(reversed(values[max(0, i - step) : i]))
+            await asyncio.sleep(0)
+    return _take(ordered, limit_bytes)
+
+
+def _take(entries: list, limit_bytes: int) -> list[WarmPage]:
+    out, total = [], 0
+    for e in entries:
+        if e.state != READY or not e.in_l3:
+            continue
+        total += e.cls.slot_bytes
+        if total > limit_bytes:
+            break
+        out.append(WarmPage(e.ns, e.key, e.size, e.pinned))
+    return out
+
+
+def save(path: str, pages: list[WarmPage]) -> None:
+    """Write the warm list atomically (temporary file, then rename). Blocking: run it in a thread."""
+    body = msgpack.packb(
+        {"format": FORMAT, "pages": [[p.ns, p.key, p.page_bytes, p.pinned] for p in pages]}, use_bin_type=True
+    )
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".warm.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load(path: str, max_bytes: int = 1 << 30) -> list[WarmPage]:
+    """The warm list, or [] when there is none or it cannot be read (logged): warmup is best effort."""
+    try:
+        if os.path.getsize(path) > max_bytes:
+            raise ValueError(f"larger than {max_bytes} bytes")
+        with open(path, "rb") as f:
+            data = msgpack.unpackb(f.read(), raw=False)
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError("unknown format")
+        pages = []
+        for ns, key, page_bytes, pinned in data["pages"]:
+            if valid_namespace(ns) and valid_key(key) and isinstance(page_bytes, int) and page_bytes > 0:
+                pages.append(WarmPage(ns, key, page_bytes, bool(pinned)))
+        return pages
+    except FileNotFoundError:
+        return []
+    except Exception as e:
+        log.warning("ignoring the warm list %s: %s", path, e)
+        return []
+
+
+async def warm(tiers, pages: list[WarmPage], limit_bytes: int) -> int:
+    """Prefetch `pages` into L2 (tiers: hicached.tiers.Tiers); returns how many arrived."""
+    done, total, arrived = 0, 0, 0
+    todo = []
+    for p in pages:
+        known = tiers.namespaces.setdefault(p.ns, p.page_bytes)
+        if known != p.page_bytes:
+            continue
+        total += p.page_bytes
+        if total > limit_bytes:
+            break
+        todo.append(p)
+    for start in range(0, len(todo), CHUNK):
+        chunk = todo[start : start + CHUNK]
+        by_ns: dict[tuple[str, int, bool], list[str]] = {}
+        for p in chunk:
+            by_ns.setdefault((p.ns, p.page_bytes, p.pinned), []).append(p.key)
+        for (ns, page_bytes, pinned), keys in by_ns.items():
+            priority = PINNED_PRIORITY if pinned else WARM_PRIORITY
+            entries = tiers.prefetcher.fetch(ns, keys, page_bytes, priority)
+            futures = [e.fill for e in entries if e.fill is not None]
+            if futures:
+                await asyncio.wait(futures)
+            for e in entries:
+                if e.state == READY and tiers.index.live(e):
+                    arrived += 1
+                    if pinned:
+                        tiers.pin_entry(e)
+            done += len(keys)
+    tiers.counters["warmup.pages"] += arrived
+    log.info("warmup: %d of %d pages brought back from L3", arrived, len(todo))
+    return arrived
