@@ -17,6 +17,7 @@ RESTART_REQUIRED = (
     "pool.slab_size",
     "pool.prefault",
     "metrics.listen",
+    "regions.copy_threads",
 )
 
 

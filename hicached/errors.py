@@ -13,6 +13,8 @@ DRAINING = "draining"
 BUSY = "busy"
 INTERNAL = "internal"
 CONNECTION = "connection"  # client side only: the daemon went away or the connection broke
+COPY_FAILED = "copy_failed"  # copying pages between an engine's region and L2 failed; nothing was stored
+UNSUPPORTED = "unsupported"  # the daemon cannot do this here (a CUDA region on a daemon without CUDA)
 
 CODES = frozenset(
     {
@@ -27,6 +29,8 @@ CODES = frozenset(
         BUSY,
         INTERNAL,
         CONNECTION,
+        COPY_FAILED,
+        UNSUPPORTED,
     }
 )
 

@@ -4,6 +4,28 @@ A frame is a 4-byte big-endian length followed by that many bytes of msgpack. A 
 integer `id`, a string `op` and the op's arguments; its answer carries the same `id` and either the result
 fields or `error: {code, message}`. Several requests may be in flight on one connection; answers come back
 in any order. Page bytes never travel here: they live in shared memory.
+
+Connections. On connect the daemon speaks first: a welcome frame (`version`, `pool_bytes`, `max_frame`,
+`max_keys`, `pid`, and `token`, a random string naming this connection) that carries the pool's memfd as
+SCM_RIGHTS. What the peer sends first decides what the connection is:
+
+- an **engine connection** sends frames without fds (hello first), and stays open;
+- a **region-attach connection** sends exactly one frame, `{op: "region_attach", token: <the token of the
+  engine connection the region is for>, kind: "host", ...}`, in the same `sendmsg` as one fd (a memfd
+  sealed with at least F_SEAL_SHRINK, open read-write); the daemon answers `{handle, num_pages, nbytes}`
+  or an error, and closes it. The region belongs to the engine connection and is unregistered when that
+  connection closes. A transport cannot receive fds, so the daemon reads a connection's first bytes on the
+  raw socket; an engine sends hello right away, so this costs it no round trip.
+
+Regions (requests on an engine connection, after hello):
+- `region_attach` with `kind: "cuda"` needs no fd and is sent on the engine connection itself: `cuda` is a
+  map of explicit IPC fields `{version: 1, device_uuid, ipc_handle, storage_bytes, storage_offset,
+  ref_counter_handle, ref_counter_offset, event_handle, event_sync_required}` (never pickled bytes).
+- Both kinds: `nbytes` and `offset` (where the region starts in the memfd or the CUDA storage),
+  `page_bytes` (the connection's), `num_pages`, and optional `segments: [[offset, length, stride], ...]`
+  (page i's segment j at offset + i * stride; lengths add up to page_bytes; L2 holds their concatenation).
+- `region_detach {handle}`; `store_pages {handle, page_indices, keys} -> {ok: [bool]}`;
+  `load_pages {handle, page_indices, keys, fetch=true} -> {n}` (leading hits copied into the region).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Each accepted socket is checked with SO_PEERCRED, sent a welcome frame carrying the pool's memfd
 (SCM_RIGHTS, before the socket is wrapped in a transport, which cannot pass fds), then served by a
 Connection protocol. Requests that need no waiting are answered inline; the others run as tasks, several
-per connection. A frame that cannot be read closes its connection only.
+per connection. A frame that cannot be read closes its connection only. The first bytes a peer sends are
+read on the raw socket: if an fd came with them, the connection registers a host memory region (see
+hicached.protocol) and is closed after its answer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -21,17 +24,21 @@ from typing import Any
 from config import Config, resolve_path
 
 from . import protocol
-from .errors import BAD_REQUEST, BUSY, DRAINING, INTERNAL, UNAUTHORIZED, HicachedError
+from .errors import BAD_REQUEST, BUSY, DRAINING, INTERNAL, NOT_FOUND, UNAUTHORIZED, HicachedError
 from .keys import check_keys, check_namespace
 from .protocol import arg, keys_arg
+from .regions import RegionService
 from .tiers import Session, Tiers
 
 log = logging.getLogger("hicached.server")
 
 Handler = Callable[[Session, dict[str, Any]], Any]
 
-# Operator requests, answered even while the daemon drains.
-CONTROL_OPS = frozenset({"status", "stats", "reload", "backend", "drain", "flush"})
+# Operator requests, and those that finish what an engine already started, are answered while draining.
+CONTROL_OPS = frozenset(
+    {"status", "stats", "reload", "backend", "drain", "flush", "commit", "abort", "release", "region_detach"}
+)
+MAX_FDS = 4  # fds read with a connection's first bytes; region_attach takes exactly one
 
 
 class Server:
@@ -48,7 +55,10 @@ class Server:
         self._owns_path = True
         self._accept_task: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[Any]] = set()
+        self.regions = RegionService(lambda: self.cfg, tiers)
+        self.by_token: dict[str, Connection] = {}  # welcome token -> connection, for region_attach
         self.handlers: dict[str, Handler] = self._engine_handlers()
+        self.handlers.update(self.regions.handlers())
         self.handlers.update(control or {})
 
     # Lifecycle.
@@ -88,6 +98,7 @@ class Server:
         for c in list(self.connections):
             c.close()
         await asyncio.sleep(0)
+        await self.regions.close(timeout)
 
     def _bind(self) -> socket.socket:
         path = self.path
@@ -171,6 +182,7 @@ class Server:
             if len(self.connections) >= self.cfg.server.max_connections:
                 self._refuse(sock, BUSY, "too many connections (server.max_connections)")
                 return
+            token = secrets.token_hex(16)
             welcome = protocol.encode(
                 {
                     "id": 0,
@@ -179,14 +191,105 @@ class Server:
                     "max_frame": self.cfg.server.max_frame,
                     "max_keys": self.cfg.server.max_keys_per_request,
                     "pid": os.getpid(),
+                    "token": token,
                 }
             )
+            sock.setblocking(False)
             socket.send_fds(sock, [welcome], [self.tiers.pool.fd])
+            first, fds = await self._first_bytes(sock)
+            if fds:
+                await self._attach_connection(sock, first, fds, uid)
+                return
             loop = asyncio.get_running_loop()
-            await loop.connect_accepted_socket(lambda: Connection(self, Session(peer=peer)), sock=sock)
+            await loop.connect_accepted_socket(
+                lambda: Connection(self, Session(peer=peer), token, uid, first), sock=sock
+            )
+        except asyncio.CancelledError:
+            sock.close()
+            raise
         except Exception as e:
             log.warning("could not admit a connection: %s", e)
             sock.close()
+
+    async def _first_bytes(self, sock: socket.socket) -> tuple[bytes, list[int]]:
+        """The first bytes the peer sends and any fds that came with them, read on the raw socket (a
+        transport cannot receive fds). An engine sends hello at once, so this costs it no round trip; one
+        that sends nothing within server.handshake_timeout is served as usual."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await asyncio.wait_for(ready, self.cfg.server.handshake_timeout)
+        except TimeoutError:
+            return b"", []
+        finally:
+            loop.remove_reader(sock.fileno())
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, MAX_FDS)
+        except (BlockingIOError, InterruptedError):
+            return b"", []
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"peer sent more than {MAX_FDS} fds")
+        return data, fds
+
+    async def _attach_connection(self, sock: socket.socket, data: bytes, fds: list[int], uid: int) -> None:
+        """A connection that registers a host region: one region_attach frame that came with the region's
+        memfd, one answer, then it closes. The region belongs to the connection named by `token`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.server.handshake_timeout
+        rid = 0
+        answer: dict[str, Any] | None = None
+        try:
+            decoder = protocol.FrameDecoder(self.cfg.server.max_frame)
+            msgs = decoder.feed(data)
+            while not msgs:
+                more = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), max(0.0, deadline - loop.time()))
+                if not more:
+                    break  # the peer went away before its frame was whole
+                msgs = decoder.feed(more)
+            if msgs:
+                msg = msgs[0]
+                if isinstance(msg, dict) and isinstance(msg.get("id"), int):
+                    rid = msg["id"]
+                answer = await self._region_attach(msg, fds, uid)
+                answer["id"] = rid
+        except HicachedError as e:
+            answer = protocol.error_answer(rid, e.code, e.message)
+        except protocol.FrameError as e:
+            answer = protocol.error_answer(rid, BAD_REQUEST, f"unreadable region_attach frame: {e}")
+        except TimeoutError:
+            answer = protocol.error_answer(rid, BAD_REQUEST, "region_attach frame incomplete in time")
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if answer is None:
+                sock.close()
+        if answer is None:
+            return
+        try:
+            await asyncio.wait_for(loop.sock_sendall(sock, protocol.encode(answer)), 5.0)
+        except (OSError, TimeoutError):
+            pass  # the peer went away; the region (if any) is released with its connection
+        finally:
+            sock.close()
+
+    async def _region_attach(self, msg: Any, fds: list[int], uid: int) -> dict[str, Any]:
+        if not isinstance(msg, dict) or msg.get("op") != "region_attach":
+            raise HicachedError(BAD_REQUEST, "a connection that passes an fd must open with region_attach")
+        if len(fds) != 1:
+            raise HicachedError(BAD_REQUEST, f"region_attach takes exactly one fd, got {len(fds)}")
+        conn = self.by_token.get(arg(msg, "token", str))
+        if conn is None:
+            raise HicachedError(
+                NOT_FOUND, "no open connection has this token: register regions while the connection is open"
+            )
+        if conn.uid != uid:
+            raise HicachedError(UNAUTHORIZED, "a region can only be registered by the connection's own user")
+        if self.draining:
+            raise HicachedError(DRAINING, "the daemon is draining")
+        return await self.regions.attach(conn.session, msg, fds[0])
 
     @staticmethod
     def _refuse(sock: socket.socket, code: str, message: str) -> None:
@@ -214,8 +317,15 @@ class Server:
                 raise HicachedError(BAD_REQUEST, str(e)) from None
             return t.hello(s, ns, arg(req, "page_bytes", int))
 
-        async def exists(s: Session, req: dict[str, Any]) -> dict:
-            return {"n": await t.exists(s, keys(s, req))}
+        def exists(s: Session, req: dict[str, Any]) -> Any:
+            ks = keys(s, req)
+            n = t.exists_l2(s, ks)
+            if n is not None:
+                return {"n": n}  # answered inline: no task, no extra loop pass
+            return _exists_l3(s, ks)
+
+        async def _exists_l3(s: Session, ks: list[str]) -> dict:
+            return {"n": await t.exists(s, ks)}
 
         def alloc(s: Session, req: dict[str, Any]) -> dict:
             status, offsets = t.alloc(s, keys(s, req))
@@ -273,18 +383,25 @@ class Server:
             "used_bytes": sum(c.used * c.slot_bytes for c in pool.alloc.classes.values()),
             "backup_pending": self.tiers.backup.pending,
             "draining": self.draining,
+            "regions": self.regions.count,
         }
 
     def stats(self) -> dict:
         out = self.tiers.stats()
         out["server"] = {"connections": len(self.connections), "refused": self.refused}
+        out["regions"] = self.regions.stats()
         return out
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, server: Server, session: Session) -> None:
+    def __init__(
+        self, server: Server, session: Session, token: str = "", uid: int = -1, initial: bytes = b""
+    ) -> None:
         self.server = server
         self.session = session
+        self.token = token
+        self.uid = uid
+        self._initial = initial  # bytes read before the socket became a transport
         self.decoder = protocol.FrameDecoder(server.cfg.server.max_frame)
         self.tasks: set[asyncio.Task[None]] = set()
         self.transport: asyncio.Transport | None = None
@@ -293,12 +410,20 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(self)
+        if self.token:
+            self.server.by_token[self.token] = self
+        if self._initial:
+            data, self._initial = self._initial, b""
+            self.data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.server.by_token.get(self.token) is self:
+            del self.server.by_token[self.token]
         for t in self.tasks:
             t.cancel()
-        self.server.tiers.close_session(self.session)
+        # Regions go first; leases and slots follow once no copy of this connection runs any more.
+        self.server.regions.close_session(self.session, self.server.tiers.close_session)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

@@ -37,7 +37,8 @@ def test_restart_warms_l2_and_restores_pins(daemon_factory):
 
 
 def test_warmup_is_bounded_and_survives_a_broken_list(daemon_factory):
-    d = daemon_factory({"warmup": {"enabled": True, "snapshot_interval": "0s", "max_fraction": 0.25}})  # 32 MiB of 128
+    # A quarter of the 128 MiB pool may be warmed: 32 MiB.
+    d = daemon_factory({"warmup": {"enabled": True, "snapshot_interval": "0s", "max_fraction": 0.25}})
     keys = [f"b{i:03d}" for i in range(1000)]
     with Client(d.socket, "bound.ns", PAGE) as c:
         for i in range(0, len(keys), 100):

@@ -1,0 +1,434 @@
+"""Benchmark of hicached's core paths against the raw speed of the same work, measured in the same run:
+store and load (memcpy), L2 -> file backup (pwrite), file -> L2 prefetch (preadv), exists (a bare uvloop
+round trip). It runs real daemons on a temporary config. Usage: python bench/bench_core.py [--quick] [--dir D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import hashlib
+import mmap
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from connectors.header import HEADER_SIZE
+from hicached.client import Client, control
+from hicached.errors import HicachedError
+
+MiB = 1 << 20
+BATCH = 32  # pages per store/load call
+IO_THREADS = 8  # storage.file.io_threads of the daemon, and the raw baselines' thread count
+EXISTS_KEYS = 64
+CONFIG = """\
+[server]
+socket = "run/hicached.sock"
+[pool]
+capacity = "{pool_mib}MiB"
+slab_size = "32MiB"
+[storage]
+backend = "file"
+write_policy = "{policy}"
+[storage.file]
+root = "data"
+io_threads = {threads}
+[shutdown]
+flush_timeout = "30s"
+[logging]
+level = "warning"
+"""
+
+now = time.perf_counter
+Row = tuple[str, float, float, str, str]  # figure, hicached, raw, unit, target ("" for information)
+
+
+def page_keys(tag: str, n: int) -> list[str]:
+    return [hashlib.sha256(f"{tag}/{i}".encode()).hexdigest() for i in range(n)]
+
+
+def page_path(root: Path, ns: str, key: str) -> str:
+    """Where the file connector keeps a page (connectors/file.py)."""
+    return f"{root}/{ns}/{key[0:2]}/{key[2:4]}/{key}"
+
+
+def drop_files(root: Path, ns: str, keys: Sequence[str]) -> None:
+    """Removes pages the run no longer needs, so dirty page cache stays far below the writeback limits."""
+    for k in keys:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(page_path(root, ns, k))
+
+
+def shared_mapping(nbytes: int) -> np.ndarray:
+    """A memfd mapped MAP_SHARED and prefaulted for writing, as the L2 pool is."""
+    fd = os.memfd_create("hicached-bench", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    arr.fill(1)
+    return arr
+
+
+def raw_io(
+    ex: ThreadPoolExecutor, paths: list[str], slots: list[np.ndarray], threads: int, write: bool
+) -> float:
+    """os.pwrite of each page to a new file of its own, or os.preadv of each page file (header + payload)
+    into the shared mapping; in this thread, or cut into `threads` jobs as the file connector does."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL if write else os.O_RDONLY
+
+    def job(r: range) -> None:
+        head = bytearray(HEADER_SIZE)
+        for i in r:
+            fd = os.open(paths[i], flags | os.O_CLOEXEC, 0o600)
+            try:
+                n = os.pwrite(fd, slots[i], 0) if write else os.preadv(fd, [head, slots[i]], 0) - HEADER_SIZE
+                if n != slots[i].nbytes:
+                    raise OSError(f"short transfer on {paths[i]}")
+            finally:
+                os.close(fd)
+
+    t0, n = now(), len(paths)
+    if threads == 1:
+        job(range(n))
+    else:
+        list(ex.map(job, [range(i * n // threads, (i + 1) * n // threads) for i in range(threads)]))
+    return now() - t0
+
+
+class Daemon:
+    """`python -m hicached serve` on a config of its own; stopped on exit whatever happened."""
+
+    def __init__(self, work: Path, pool_bytes: int, policy: str) -> None:
+        cfg = work / f"hicached-{policy}.toml"
+        cfg.write_text(CONFIG.format(pool_mib=pool_bytes // MiB, policy=policy, threads=IO_THREADS))
+        self.sock = str(work / "run" / "hicached.sock")
+        self.log_path = work / "daemon.log"
+        self._log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "hicached", "serve", "--config", str(cfg)]
+        # A session of its own: a Ctrl-C reaches only us, and we stop the daemon in order.
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __enter__(self) -> Daemon:
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    control(self.sock, "status", timeout=2.0)
+                    return self
+                except HicachedError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def flush(self) -> None:
+        """Returns when nothing is left to back up (the daemon's `flush` control request)."""
+        ans = control(self.sock, "flush", timeout=120.0)
+        if not ans.get("flushed"):
+            raise RuntimeError(f"flush did not complete: {ans}")
+
+    def stop(self) -> None:
+        try:
+            self.proc.terminate()
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # also when a second Ctrl-C lands here: never leave the daemon behind
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+
+
+def batched(call: Callable[[list[str], list], list[bool] | int], keys: list[str], objs: list) -> float:
+    """Time of `Client.store` or `Client.load` over `keys` in batches of BATCH; every page must succeed."""
+    t0 = now()
+    for i in range(0, len(keys), BATCH):
+        ok = call(keys[i : i + BATCH], objs[i : i + BATCH])
+        if (sum(ok) if isinstance(ok, list) else ok) != len(keys[i : i + BATCH]):
+            raise RuntimeError(f"{call.__name__} failed for some pages: {ok} (pool too small?)")
+    return now() - t0
+
+
+class SizeBench:
+    """Every figure for one page size. Each repetition times hicached and its raw baseline back to back;
+    repetition 0 is a warm-up and is not kept."""
+
+    def __init__(self, p: int, a: argparse.Namespace, work: Path, ex: ThreadPoolExecutor) -> None:
+        self.p, self.a, self.work, self.ex = p, a, work, ex
+        self.n = a.rep_bytes // p
+        self.nbytes = self.n * p
+        self.ns, self.root = f"bench.p{p}", work / "data"
+        self.label = f"{p >> 10} KiB" if p < MiB else f"{p >> 20} MiB"
+        rng = np.random.default_rng(p)
+        srcs = [rng.bytes(p) for _ in range(BATCH)]
+        self.pages = [srcs[i % BATCH] for i in range(self.n)]
+        self.src_arrays = [np.frombuffer(s, dtype=np.uint8) for s in self.pages]
+        self.raw = shared_mapping(self.nbytes)
+        self.slots = [self.raw[i * p : (i + 1) * p] for i in range(self.n)]
+        self.t: dict[str, list[float]] = collections.defaultdict(list)
+        self.sets: list[list[str]] = []  # pages that the write-back phase left in files, for prefetch
+        self.cold = 0.0
+
+    def keep(self, r: int, **times: float) -> None:
+        for name, t in times.items() if r else ():
+            self.t[name].append(t)
+
+    def gbps(self, *names: str) -> float:
+        return self.nbytes / sum(statistics.median(self.t[n]) for n in names) / 1e9
+
+    def memcpy(self) -> float:
+        t0 = now()
+        for dst, src in zip(self.slots, self.src_arrays, strict=True):
+            np.copyto(dst, src)
+        return now() - t0
+
+    def mv_assign(self) -> float:
+        mv, p, t0 = memoryview(self.raw), self.p, now()
+        for i, src in enumerate(self.pages):
+            mv[i * p : (i + 1) * p] = src
+        return now() - t0
+
+    def raw_write(self, threads: int) -> float:
+        """Into a directory of its own, removed afterwards (untimed)."""
+        d = self.work / "raw"
+        d.mkdir()
+        t = raw_io(self.ex, [f"{d}/{i}" for i in range(self.n)], self.slots, threads, write=True)
+        shutil.rmtree(d)
+        return t
+
+    def fill_pool(self, c: Client, d: Daemon, tag: str) -> float:
+        """Stores a pool's worth of pages, so that this client's mapping of every slot is faulted in (as in
+        an engine that has run for a while); returns the time of the first, cold, repetition."""
+        times = []
+        for w in range(self.a.pool_bytes // self.nbytes):
+            keys = page_keys(f"{self.ns}/{tag}{w}", self.n)
+            times.append(batched(c.store, keys, self.pages))
+            d.flush()
+            drop_files(self.root, self.ns, keys)
+        return times[0]
+
+    def run(self, rows: list[Row], tail: list[Row]) -> None:
+        print(f"\n== pages of {self.label}: {self.n} pages ({self.nbytes >> 20} MiB) per repetition")
+        self.write_back_phase(tail)
+        self.write_through_phase()
+        for keys in self.sets:
+            drop_files(self.root, self.ns, keys)
+        w = max(("pwrite1", "pwriteN"), key=self.gbps)
+        r = max(("preadv1", "preadvN"), key=self.gbps)
+        print(f"raw memoryview slice assignment: {self.gbps('mv'):.2f} GB/s (holds the GIL; for reference)")
+        for what in ("pwrite", "preadv"):
+            one, many = self.gbps(what + "1"), self.gbps(what + "N")
+            print(f"raw {what}, file per page: 1 thread {one:.2f} GB/s, {IO_THREADS} threads {many:.2f} GB/s")
+        threads = {"1": "1 thread", "N": f"{IO_THREADS} threads"}
+        print(f"baselines below use the faster: pwrite {threads[w[-1]]}, preadv {threads[r[-1]]}")
+        lb, g = self.label, self.gbps
+        rows += [
+            (f"store {lb} (write-back: L2 alone)", g("store"), g("memcpy"), "GB/s", ">=0.8"),
+            (f"store {lb} (write-through)", g("store_wt"), g("memcpy_wt"), "GB/s", ">=0.8"),
+            (f"store {lb}, first pass over the pool", self.cold, g("memcpy"), "GB/s", ""),
+            (f"backup {lb} L2 -> file (flush only)", g("backup"), g(w), "GB/s", ">=0.8"),
+            (f"store + backup {lb} (write-through)", g("total_wt"), g("memcpy", w), "GB/s", ""),
+            (f"prefetch {lb} file -> L2 (warm)", g("prefetch"), g(r), "GB/s", ">=0.8"),
+            (f"load {lb} L2 -> client buffer", g("load"), g("load_raw"), "GB/s", ""),
+        ]
+
+    def write_back_phase(self, tail: list[Row]) -> None:
+        """Write-back: a store fills L2 alone, and the flush after it is pure L2 -> file."""
+        a, slots = self.a, self.slots
+        with Daemon(self.work, a.pool_bytes, "write_back") as d, Client(d.sock, self.ns, self.p) as c:
+            self.cold = self.nbytes / self.fill_pool(c, d, "warm-wb") / 1e9
+            for r in range(a.reps + 1):
+                keys = page_keys(f"{self.ns}/a{r}", self.n)
+                ts = batched(c.store, keys, self.pages)
+                t0 = now()
+                d.flush()
+                tb = now() - t0
+                w1, wn = self.raw_write(1), self.raw_write(IO_THREADS)
+                self.keep(
+                    r, store=ts, backup=tb, memcpy=self.memcpy(), mv=self.mv_assign(), pwrite1=w1, pwriteN=wn
+                )
+                self.sets.append(keys)
+                if len(self.sets) > a.pool_bytes // self.nbytes + 1:  # enough to cycle prefetch through
+                    drop_files(self.root, self.ns, self.sets.pop(0))
+            buf = np.empty(self.nbytes, dtype=np.uint8)
+            buf.fill(0)
+            bufs = [buf[i * self.p : (i + 1) * self.p] for i in range(self.n)]
+            for r in range(a.reps + 1):
+                tl = batched(c.load, self.sets[-1], bufs)
+                t0 = now()
+                for dst, src in zip(bufs, slots, strict=True):
+                    np.copyto(dst, src)
+                self.keep(r, load=tl, load_raw=now() - t0)
+            if self.p == max(a.sizes):
+                tail += exists_latency(c, [k for s in self.sets[-2:] for k in s][-EXISTS_KEYS:], a, self.work)
+
+    def write_through_phase(self) -> None:
+        """A restarted daemon (L2 empty, the pages only in files): prefetch, then write-through stores."""
+        a, ex, slots, n = self.a, self.ex, self.slots, self.n
+        with Daemon(self.work, a.pool_bytes, "write_through") as d, Client(d.sock, self.ns, self.p) as c:
+            for r in range(a.reps + 1):  # a set comes round again only after the pool has evicted it
+                keys = self.sets[r % len(self.sets)]
+                paths = [page_path(self.root, self.ns, k) for k in keys]
+                raw_io(ex, paths, slots, IO_THREADS, False)  # warm, as the daemon's files are (just written)
+                r1, rn = raw_io(ex, paths, slots, 1, False), raw_io(ex, paths, slots, IO_THREADS, False)
+                t0 = now()
+                got = c.wait(c.prefetch(keys), timeout=60)
+                self.keep(r, prefetch=now() - t0, preadv1=r1, preadvN=rn)
+                if got != n:
+                    raise RuntimeError(f"prefetch brought {got} of {n} pages")
+            self.fill_pool(c, d, "warm-wt")
+            for r in range(a.reps + 1):
+                keys = page_keys(f"{self.ns}/b{r}", n)
+                t0 = now()
+                ts = batched(c.store, keys, self.pages)
+                d.flush()
+                self.keep(r, store_wt=ts, total_wt=now() - t0, memcpy_wt=self.memcpy())
+                drop_files(self.root, self.ns, keys)
+
+
+def echo_server(path: str) -> None:
+    """The raw baseline for a request: length-prefixed msgpack in, a small msgpack map out, on uvloop."""
+    import asyncio
+
+    import uvloop
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport, self.buf = transport, bytearray()
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while len(self.buf) >= 4 and len(self.buf) >= 4 + (size := int.from_bytes(self.buf[:4], "big")):
+                req = msgpack.unpackb(self.buf[4 : 4 + size])
+                del self.buf[: 4 + size]
+                body = msgpack.packb({"id": req["id"], "n": len(req["keys"])})
+                self.transport.write(len(body).to_bytes(4, "big") + body)
+
+    async def main() -> None:
+        await asyncio.get_running_loop().create_unix_server(Echo, path)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def raw_exists(sock: socket.socket, keys: list[str], rid: int) -> None:
+    body = msgpack.packb({"id": rid, "op": "exists", "keys": keys})
+    sock.sendall(len(body).to_bytes(4, "big") + body)
+    buf = b""
+    while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+        buf += sock.recv(1 << 16)
+    msgpack.unpackb(buf[4:])
+
+
+def exists_latency(c: Client, keys: list[str], a: argparse.Namespace, work: Path) -> list[Row]:
+    """`exists` of keys all in L2 against the echo server, call by call in turn; the first tenth warms up."""
+    path = str(work / "echo.sock")
+    proc = subprocess.Popen([sys.executable, __file__, "--echo-server", path], start_new_session=True)
+    ours, raw = [], []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            while s.connect_ex(path) != 0:
+                if proc.poll() is not None:
+                    raise RuntimeError("echo server exited")
+                time.sleep(0.02)
+            for i in range(a.calls + a.calls // 10):
+                t0 = now()
+                raw_exists(s, keys, i)
+                t1 = now()
+                if c.exists(keys) != len(keys):
+                    raise RuntimeError("exists missed keys that are in L2")
+                ours.append(now() - t1), raw.append(t1 - t0)
+    finally:
+        proc.terminate()
+        proc.wait()
+    ours, raw = (np.array(x[a.calls // 10 :]) * 1e6 for x in (ours, raw))
+    name = f"exists x{len(keys)} round trip"
+    p50, p99 = (tuple(np.percentile(x, q) for x in (ours, raw)) for q in (50, 99))
+    return [(f"{name} p50", *p50, "µs", "<=2"), (f"{name} p99", *p99, "µs", "")]
+
+
+def fs_type(path: Path) -> str:
+    mounts = [line.split()[1:3] for line in open("/proc/self/mounts")]
+    inside = [(m, t) for m, t in mounts if str(path).startswith(m.rstrip("/") + "/")]
+    return max(inside, key=lambda mt: len(mt[0]))[1] if inside else "unknown filesystem"
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"\n{'figure':42} {'hicached':>12} {'raw':>12} {'ratio':>7} {'target':>7}  result")
+    for name, val, raw, unit, target in rows:
+        ratio = val / raw
+        limit = float(target[2:]) if target else 0.0
+        ok = ratio >= limit if target.startswith(">=") else ratio <= limit
+        verdict = ("PASS" if ok else "MISS") if target else "info"
+        shown = f"{target}x" if target else "-"
+        print(f"{name:42} {val:7.2f} {unit:4} {raw:7.2f} {unit:4} {ratio:6.2f}x {shown:>7}  {verdict}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller and fewer repetitions (~15 s)")
+    parser.add_argument(
+        "--dir",
+        default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None,
+        help="parent of the temporary work dir, where both the daemon's files and the raw files go (default: "
+        "/dev/shm, in memory: warm against warm, free of disk writeback and of the filesystem's history)",
+    )
+    parser.add_argument("--echo-server", metavar="PATH", help=argparse.SUPPRESS)
+    a = parser.parse_args()
+    if a.echo_server:
+        echo_server(a.echo_server)
+        return 0
+    a.sizes = (2 * MiB, 256 * 1024)
+    a.rep_bytes, a.reps, a.pool_bytes, a.calls = (
+        (64 * MiB, 3, 256 * MiB, 500) if a.quick else (256 * MiB, 9, 1024 * MiB, 2000)
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the daemons are stopped
+    work = Path(tempfile.mkdtemp(prefix="hicached-bench-", dir=a.dir))
+    started = now()
+    cpus = len(os.sched_getaffinity(0))
+    print(f"hicached bench_core: python {platform.python_version()}, {cpus} CPUs")
+    print(f"work dir {work} ({fs_type(work)}), for the daemon's files and the raw files alike")
+    print(
+        f"daemon: pool {a.pool_bytes >> 20} MiB, slabs of 32 MiB, file backend with io_threads={IO_THREADS}"
+    )
+    rows: list[Row] = []
+    tail: list[Row] = []
+    try:
+        (work / "data").mkdir()
+        with ThreadPoolExecutor(IO_THREADS) as ex:
+            for p in a.sizes:
+                SizeBench(p, a, work, ex).run(rows, tail)
+        print_table(rows + tail)
+        print(f"\nGB = 1e9 bytes; medians of {a.reps} repetitions; whole run {now() - started:.0f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

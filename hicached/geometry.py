@@ -1,0 +1,195 @@
+"""Region geometry, without I/O: where each page of an engine's memory region lives, and the copy plan
+(coalesced byte ranges) that moves a batch of pages between a region and L2 pool slots.
+
+Page `i`'s segment `j` lives at `segments[j].offset + i * segments[j].stride` in the region and is
+`segments[j].length` bytes long; in L2 a page is the concatenation of its segments, in order. A region
+without segments is one contiguous array of pages: a single segment `(0, page_bytes, page_bytes)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import BAD_REQUEST, HicachedError
+
+MAX_SEGMENTS = 4096  # per page: a model with 128 layers and K and V halves needs 256
+
+
+@dataclass(frozen=True)
+class Segment:
+    offset: int
+    length: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    page_bytes: int
+    num_pages: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def extent(self) -> int:
+        """Bytes of the region that the last page's segments reach."""
+        return max(s.offset + (self.num_pages - 1) * s.stride + s.length for s in self.segments)
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.segments) == 1 and self.segments[0].offset == 0
+
+
+def _bad(message: str) -> HicachedError:
+    return HicachedError(BAD_REQUEST, message)
+
+
+def _int(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{what} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise _bad(f"{what} must be at least {minimum}, got {value}")
+    return value
+
+
+def default_num_pages(page_bytes: int, segments: list[tuple[int, int, int]] | None, nbytes: int) -> int:
+    """How many whole pages of this geometry fit in `nbytes` (0 when not even one does)."""
+    if not segments:
+        return nbytes // page_bytes if page_bytes > 0 else 0
+    n = None
+    for off, length, stride in segments:
+        room = nbytes - off - length
+        if room < 0:
+            return 0
+        fit = room // stride + 1 if stride > 0 else 1
+        n = fit if n is None else min(n, fit)
+    return n or 0
+
+
+def parse_geometry(req: dict[str, Any], region_bytes: int) -> Geometry:
+    """The geometry of a `region_attach` request, checked against the region's size; every error is a
+    bad_request naming the field."""
+    page_bytes = _int(req.get("page_bytes"), "page_bytes", 1)
+    num_pages = _int(req.get("num_pages"), "num_pages", 1)
+    raw = req.get("segments")
+    if raw is None:
+        segments = (Segment(0, page_bytes, page_bytes),)
+    else:
+        if not isinstance(raw, list | tuple) or not raw:
+            raise _bad("segments must be a non-empty list of [offset, length, stride]")
+        if len(raw) > MAX_SEGMENTS:
+            raise _bad(f"segments has {len(raw)} entries; at most {MAX_SEGMENTS} per page")
+        out = []
+        for j, seg in enumerate(raw):
+            if not isinstance(seg, list | tuple) or len(seg) != 3:
+                raise _bad(f"segments[{j}] must be [offset, length, stride]")
+            off = _int(seg[0], f"segments[{j}].offset", 0)
+            length = _int(seg[1], f"segments[{j}].length", 1)
+            stride = _int(seg[2], f"segments[{j}].stride", 1)
+            if stride < length:
+                # Segment j of page i and of page i+1 would overlap: a load would race with itself.
+                raise _bad(f"segments[{j}].stride ({stride}) is smaller than its length ({length})")
+            out.append(Segment(off, length, stride))
+        segments = tuple(out)
+        total = sum(s.length for s in segments)
+        if total != page_bytes:
+            raise _bad(f"segments: lengths add up to {total} bytes, but page_bytes is {page_bytes}")
+    geom = Geometry(page_bytes, num_pages, segments)
+    for j, s in enumerate(segments):
+        end = s.offset + (num_pages - 1) * s.stride + s.length
+        if end > region_bytes:
+            what = f"segments[{j}]" if raw is not None else "num_pages * page_bytes"
+            raise _bad(
+                f"{what}: page {num_pages - 1} ends at byte {end}, past the end of the region "
+                f"({region_bytes} bytes)"
+            )
+    return geom
+
+
+def check_pages(value: Any, geom: Geometry, n_keys: int, unique: bool) -> list[int]:
+    """`page_indices` of a store_pages/load_pages request: one in-range index per key (distinct for a load,
+    where two keys written into one page would race)."""
+    if not isinstance(value, list):
+        raise _bad("page_indices must be a list of integers")
+    if len(value) != n_keys:
+        raise _bad(f"page_indices has {len(value)} entries but keys has {n_keys}")
+    for k, i in enumerate(value):
+        if type(i) is not int:
+            raise _bad(f"page_indices[{k}] must be an integer, got {type(i).__name__}")
+        if not 0 <= i < geom.num_pages:
+            raise _bad(f"page_indices[{k}] = {i} is out of range: the region has {geom.num_pages} pages")
+    if unique and len(set(value)) != len(value):
+        raise _bad("page_indices names a page twice: two keys cannot be loaded into one page")
+    return value
+
+
+@dataclass
+class Plan:
+    """Byte ranges to copy: region bytes [region_off, +length) <-> pool bytes [pool_off, +length)."""
+
+    region_off: np.ndarray
+    pool_off: np.ndarray
+    length: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+
+def plan(geom: Geometry, pages: list[int], slots: list[int]) -> Plan:
+    """The coalesced copy plan for pages `pages` of the region and the pool slots at `slots`."""
+    idx = np.asarray(pages, dtype=np.int64)
+    slot = np.asarray(slots, dtype=np.int64)
+    off = np.array([s.offset for s in geom.segments], dtype=np.int64)
+    stride = np.array([s.stride for s in geom.segments], dtype=np.int64)
+    length = np.array([s.length for s in geom.segments], dtype=np.int64)
+    within = np.concatenate(([0], np.cumsum(length)[:-1]))
+    # Page-major order: a page's segments are adjacent in its slot, so consecutive pages in consecutive
+    # slots of a contiguous region merge into one range.
+    region_off = (off[None, :] + idx[:, None] * stride[None, :]).ravel()
+    pool_off = (slot[:, None] + within[None, :]).ravel()
+    lengths = np.broadcast_to(length, (len(idx), len(length))).ravel()
+    return coalesce(Plan(region_off, pool_off, np.ascontiguousarray(lengths)))
+
+
+def coalesce(p: Plan) -> Plan:
+    """Merge ranges that continue each other on both sides."""
+    if len(p) < 2:
+        return p
+    ends_r = p.region_off[:-1] + p.length[:-1]
+    ends_p = p.pool_off[:-1] + p.length[:-1]
+    cont = (ends_r == p.region_off[1:]) & (ends_p == p.pool_off[1:])
+    if not cont.any():
+        return p
+    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
+    return Plan(p.region_off[starts], p.pool_off[starts], np.add.reduceat(p.length, starts))
+
+
+def split(p: Plan, parts: int, min_bytes: int) -> list[Plan]:
+    """Cut a plan into at most `parts` plans of about equal bytes (cutting ranges where needed), none
+    smaller than `min_bytes` unless the whole plan is: a thread hop costs more than a small copy."""
+    total = p.nbytes
+    parts = max(1, min(parts, total // max(1, min_bytes)))
+    if parts == 1:
+        return [p]
+    ends = np.cumsum(p.length)
+    starts = ends - p.length
+    out = []
+    prev = 0
+    for k in range(1, parts + 1):
+        cut = total * k // parts
+        i0 = int(np.searchsorted(ends, prev, side="right"))
+        i1 = int(np.searchsorted(starts, cut, side="left"))
+        r, q, n = p.region_off[i0:i1].copy(), p.pool_off[i0:i1].copy(), p.length[i0:i1].copy()
+        head = prev - int(starts[i0])
+        r[0] += head
+        q[0] += head
+        n[0] -= head
+        n[-1] -= int(ends[i1 - 1]) - cut
+        out.append(Plan(r, q, n))
+        prev = cut
+    return out
