@@ -35,6 +35,8 @@ class Entry:
         "queued",
         "in_l3",
         "fill",
+        "in_lru",
+        "in_dirty",
     )
 
     def __init__(self, ns: str, key: str, offset: int, size: int, cls: SizeClass, state: str) -> None:
@@ -50,6 +52,8 @@ class Entry:
         self.queued = False  # dirty and handed to the backup workers
         self.in_l3 = False
         self.fill: asyncio.Future[bool] | None = None  # set while FILLING; True when the page arrived
+        self.in_lru = False  # filed in its class's LRU (evictable)
+        self.in_dirty = False  # filed in PageIndex.dirty
 
     @property
     def evictable(self) -> bool:
@@ -98,8 +102,11 @@ class PageIndex:
         k = (entry.ns, entry.key)
         if self.entries.get(k) is not entry:
             return
-        self._set_evictable(entry, False)
-        self.dirty.pop(k, None)
+        if entry.in_lru:
+            self._unlist(entry, k)
+        if entry.in_dirty:
+            del self.dirty[k]
+            entry.in_dirty = False
         del self.entries[k]
         if quarantine > 0:
             entry.state = QUARANTINED  # still in _by_offset, so its slab is not reassigned meanwhile
@@ -119,41 +126,48 @@ class PageIndex:
         k = (entry.ns, entry.key)
         if self.entries.get(k) is not entry:
             return  # removed already (a failed fill); late lease releases must not resurrect it
-        self._set_evictable(entry, False)
-        self._set_evictable(entry, entry.evictable)
+        if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
+            lru = self._lru.get(entry.cls)
+            if lru is None:
+                lru = self._lru[entry.cls] = OrderedDict()
+            if entry.in_lru:
+                lru.move_to_end(k)
+            else:
+                lru[k] = entry
+                entry.in_lru = True
+                self.evictable_bytes += entry.cls.slot_bytes
+        elif entry.in_lru:
+            self._unlist(entry, k)
         if entry.dirty and entry.state == READY and not entry.queued:
-            self.dirty.setdefault(k, entry)
-        else:
-            self.dirty.pop(k, None)
+            if not entry.in_dirty:
+                self.dirty[k] = entry
+                entry.in_dirty = True
+        elif entry.in_dirty:
+            del self.dirty[k]
+            entry.in_dirty = False
+
+    def _unlist(self, entry: Entry, k: tuple[str, str]) -> None:
+        del self._lru[entry.cls][k]
+        entry.in_lru = False
+        self.evictable_bytes -= entry.cls.slot_bytes
 
     def lru_lists(self) -> list[OrderedDict[tuple[str, str], Entry]]:
         """The evictable pages of each size class, least recently used first."""
         return list(self._lru.values())
 
     def touch(self, entry: Entry) -> None:
-        lru = self._lru.get(entry.cls)
-        k = (entry.ns, entry.key)
-        if lru is not None and k in lru:
-            lru.move_to_end(k)
+        if entry.in_lru:
+            self._lru[entry.cls].move_to_end((entry.ns, entry.key))
 
     def lease(self, entry: Entry) -> None:
         entry.leases += 1
-        if entry.leases == 1:
-            self.update(entry)
+        if entry.leases == 1 and entry.in_lru:
+            self._unlist(entry, (entry.ns, entry.key))  # a leased page is not evictable; nothing else changes
 
     def unlease(self, entry: Entry) -> None:
         entry.leases -= 1
         if entry.leases == 0:
             self.update(entry)
-
-    def _set_evictable(self, entry: Entry, on: bool) -> None:
-        lru = self._lru.setdefault(entry.cls, OrderedDict())
-        k = (entry.ns, entry.key)
-        if on:
-            lru[k] = entry
-            self.evictable_bytes += entry.cls.slot_bytes
-        elif lru.pop(k, None) is not None:
-            self.evictable_bytes -= entry.cls.slot_bytes
 
     # Eviction and slab rebalancing.
 
@@ -171,8 +185,7 @@ class PageIndex:
         lru = self._lru.get(cls)
         if not lru:
             return False
-        _, entry = next(iter(lru.items()))
-        self.remove(entry)
+        self.remove(next(iter(lru.values())))
         self.counters["evictions"] += 1
         return True
 
