@@ -231,6 +231,8 @@ def daemon_config(kind: str, backend: dict[str, Any], pool_bytes: int) -> dict[s
             kind: backend,
         },
         "shutdown": {"flush_timeout": "120s"},
+        # No refill of L2 from a warm list after the restart: the prefetch must find L2 empty.
+        "warmup": {"enabled": False},
         "logging": {"level": "warning"},
     }
 

@@ -124,6 +124,8 @@ class StorageConfig:
     prefetch_concurrency: int = 8
     prefetch_batch_pages: int = 16
     prefetch_queue_pages: int = 65536
+    # Keys of pages evicted from L2 that are known to be in L3: stored again, they are not written again.
+    known_in_l3_keys: int = 262144
     operation_timeout: Duration = 10.0
     # A swapped-out backend may finish the calls it has in flight for this long before it is closed.
     drain_timeout: Duration = 30.0

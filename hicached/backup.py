@@ -137,21 +137,15 @@ class Backup:
             if not todo or self.backend.current is None:
                 return  # detached: the tiers queue pages that are not in L3 again when a backend attaches
             try:
+                # No lookup before the write: pages known to be in L3 never get here (Tiers remembers
+                # them), and a lookup per page cost as much as the write itself on S3.
                 keys = [e.key for e in todo]
-                present = await self.backend.call("exists", lambda c, keys=keys: c.exists(ns, keys))
-                for e in todo[:present]:
-                    self._done(e, written=False)
-                todo = todo[present:]
-                if todo:
-                    keys = [e.key for e in todo]
-                    views = [self.pool.slot(e.offset, e.size) for e in todo]
-                    ok = await self.backend.call(
-                        "put", lambda c, keys=keys, views=views: c.put(ns, keys, views)
-                    )
-                    for e, good in zip(todo, ok, strict=True):
-                        if good:
-                            self._done(e, written=True)
-                    todo = [e for e, good in zip(todo, ok, strict=True) if not good]
+                views = [self.pool.slot(e.offset, e.size) for e in todo]
+                ok = await self.backend.call("put", lambda c, keys=keys, views=views: c.put(ns, keys, views))
+                for e, good in zip(todo, ok, strict=True):
+                    if good:
+                        self._done(e)
+                todo = [e for e, good in zip(todo, ok, strict=True) if not good]
             except BackendError as e:
                 last_error = str(e)
                 self.counters[f"backup.errors.{e.reason}"] += 1
@@ -174,12 +168,9 @@ class Backup:
             await asyncio.sleep(self.backoff.delay(attempt))
             attempt += 1
 
-    def _done(self, entry: Entry, written: bool) -> None:
+    def _done(self, entry: Entry) -> None:
         entry.dirty = False
         entry.in_l3 = True
         self.index.update(entry)
-        if written:
-            self.counters["backup.pages"] += 1
-            self.counters["backup.bytes"] += entry.size
-        else:
-            self.counters["backup.skipped_present"] += 1
+        self.counters["backup.pages"] += 1
+        self.counters["backup.bytes"] += entry.size

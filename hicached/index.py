@@ -10,6 +10,7 @@ import asyncio
 import collections
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 
 from .slabs import SizeClass, SlabAllocator, slot_size
 
@@ -73,6 +74,8 @@ class PageIndex:
         self.dirty: OrderedDict[tuple[str, str], Entry] = OrderedDict()
         self.evictable_bytes = 0
         self.counters: collections.Counter[str] = collections.Counter()
+        # Called with every entry that leaves the index (evicted, aborted, failed fill).
+        self.on_remove: Callable[[Entry], None] = lambda entry: None
 
     def get(self, ns: str, key: str) -> Entry | None:
         return self.entries.get((ns, key))
@@ -108,6 +111,7 @@ class PageIndex:
             del self.dirty[k]
             entry.in_dirty = False
         del self.entries[k]
+        self.on_remove(entry)
         if quarantine > 0:
             entry.state = QUARANTINED  # still in _by_offset, so its slab is not reassigned meanwhile
             self.counters["quarantined"] += 1

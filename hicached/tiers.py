@@ -67,6 +67,9 @@ class Tiers:
         self.backend.current = connector
         self.backend.on_attach = self._attached
         self.backend.on_detach = self._detached
+        # (namespace, key) of pages that left L2 while in L3, most recent last; bounded.
+        self.known_in_l3: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self.index.on_remove = self._removed
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
         self.backup = Backup(
@@ -97,8 +100,17 @@ class Tiers:
     def connector(self) -> Connector | None:
         return self.backend.current
 
+    def _removed(self, entry: Entry) -> None:
+        if entry.in_l3 and self.cfg.storage.known_in_l3_keys > 0:
+            k = (entry.ns, entry.key)
+            self.known_in_l3[k] = None
+            self.known_in_l3.move_to_end(k)
+            while len(self.known_in_l3) > self.cfg.storage.known_in_l3_keys:
+                self.known_in_l3.popitem(last=False)
+
     def _attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
+        self.known_in_l3.clear()  # what the previous backend held says nothing about this one
         n = 0
         for entry in self.index.entries.values():
             if entry.state == READY and not entry.in_l3 and not entry.dirty:
@@ -224,7 +236,11 @@ class Tiers:
                 out.append(False)
                 continue
             entry.state = READY
-            entry.dirty = self.connector is not None
+            if (s.ns, key) in self.known_in_l3:
+                del self.known_in_l3[(s.ns, key)]
+                entry.in_l3 = True  # it was there when this page last left L2: not written again
+                self.counters["store.known_in_l3"] += 1
+            entry.dirty = self.connector is not None and not entry.in_l3
             self.index.unlease(entry)
             if entry.dirty and not self.write_back:
                 self.backup.submit(entry)

@@ -138,7 +138,7 @@ async def test_already_in_l3_is_not_written_again(tmp_path):
         write(t, s, ["x", "y"])
         await t.backup.drain(10)
         assert t.counters["backup.pages"] == 2
-        assert t.counters["backup.skipped_present"] == 2
+        assert t.counters["store.known_in_l3"] == 2
     finally:
         await close_tiers(t)
 
