@@ -49,6 +49,8 @@ root = "data"
 io_threads = {threads}
 [shutdown]
 flush_timeout = "30s"
+[warmup]
+enabled = false  # prefetch is measured from an empty L2 after a restart
 [logging]
 level = "warning"
 """
