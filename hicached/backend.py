@@ -132,57 +132,50 @@ class Backend:
             self.current = None
             self.tripped = conn
             self.on_detach()
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe_until_back(conn))
+            self._probe_task = asyncio.get_running_loop().create_task(
+                self._until_usable(conn, lambda: self._reprobe(conn))
+            )
 
-    async def _probe_until_back(self, conn: Connector) -> None:
-        br = self.cfg.storage.breaker
-        backoff = Backoff(attempts=1 << 30, base=br.probe_interval, max=br.probe_max_interval, jitter=0.1)
-        attempt = 1
-        while self.tripped is conn:
-            await asyncio.sleep(backoff.delay(attempt))
-            attempt += 1
-            try:
-                await conn.probe(timeout=self.cfg.storage.operation_timeout)
-            except (BackendError, OSError) as e:
-                self.counters["backend.probe_failures"] += 1
-                log.debug("probe of %s failed: %s", conn.name, e)
-                continue
-            if self.tripped is conn and self.current is None:
-                log.info("L3 backend %s answers again; re-attached", conn.name)
-                self.tripped = None
-                self.current = conn
-                self.counters["backend.reattached"] += 1
-                self.on_attach(conn)
-            return
+    async def _reprobe(self, conn: Connector) -> Connector:
+        await conn.probe(timeout=self.cfg.storage.operation_timeout)
+        return conn
 
     def attach_when_ready(self, factory: Callable[[], Connector], first_error: BackendError) -> None:
         """The configured backend could not start: serve from L2 and keep trying to build, start and
         probe a new connector with backoff; attach the first one that answers."""
-        self.tripped = _Pending(first_error)
-        self._probe_task = asyncio.get_running_loop().create_task(
-            self._start_until_ready(factory, self.tripped)
-        )
+        token = self.tripped = _Pending(first_error)
 
-    async def _start_until_ready(self, factory: Callable[[], Connector], token: _Pending) -> None:
+        async def fresh() -> Connector:
+            conn = factory()
+            try:
+                await conn.start()
+                await conn.probe(timeout=self.cfg.storage.operation_timeout)
+            except BaseException:
+                await conn.close()
+                raise
+            return conn
+
+        self._probe_task = asyncio.get_running_loop().create_task(self._until_usable(token, fresh))
+
+    async def _until_usable(self, token: object, attempt_fn: Callable[[], Awaitable[Connector]]) -> None:
+        """Calls `attempt_fn` with backoff while `token` is what `tripped` holds; attaches what it returns."""
         br = self.cfg.storage.breaker
         backoff = Backoff(attempts=1 << 30, base=br.probe_interval, max=br.probe_max_interval, jitter=0.1)
         attempt = 1
         while self.tripped is token:
             await asyncio.sleep(backoff.delay(attempt))
             attempt += 1
-            conn = factory()
             try:
-                await conn.start()
-                await conn.probe(timeout=self.cfg.storage.operation_timeout)
+                conn = await attempt_fn()
             except (BackendError, OSError) as e:
-                await conn.close()
                 self.counters["backend.probe_failures"] += 1
-                log.debug("backend %s still not usable: %s", conn.name, e)
+                log.debug("backend still not usable: %s", e)
                 continue
-            if self.tripped is not token:
-                await conn.close()
+            if self.tripped is not token or self.current is not None:
+                if conn is not token:
+                    await conn.close()
                 return
-            log.info("L3 backend %s is usable now; attached", conn.name)
+            log.info("L3 backend %s answers; attached", conn.name)
             self.tripped = None
             self.current = conn
             self.counters["backend.reattached"] += 1
