@@ -13,6 +13,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
@@ -258,7 +259,14 @@ class RedisConnector(Connector):
         async def run(client: Any) -> list[bool]:
             results = await _execute(client, [("GET", self._key(namespace, k)) for k in keys])
             self._count_refusals(results, "GET")
-            found = [self._fill(namespace, k, b, v) for k, b, v in zip(keys, buffers, results, strict=True)]
+            outcomes = _check_and_copy(namespace, keys, buffers, results)
+            if isinstance(outcomes, _Deferred):
+                # Checksums and copies of a large batch run on a thread (both release the GIL), so
+                # the event loop goes on parsing replies meanwhile.
+                outcomes = await asyncio.get_running_loop().run_in_executor(None, outcomes.run)
+            found = [
+                self._account(namespace, k, b, o) for k, b, o in zip(keys, buffers, outcomes, strict=True)
+            ]
             corrupt = [k for k, hit in zip(keys, found, strict=True) if hit is None]
             if corrupt:
                 # A writer that replaced the object since our GET loses its page here: a later miss,
@@ -269,20 +277,15 @@ class RedisConnector(Connector):
 
         return await self._call(run)
 
-    def _fill(self, namespace: str, key: str, buf: memoryview, value: Any) -> bool | None:
-        """Verifies one GET answer and copies its payload into `buf`; None for a corrupt object."""
-        hit: bool | None = False
-        if value is not None and not isinstance(value, Exception):
-            dest = _byte_view(buf)
-            try:
-                payload = _verified_payload(value, namespace, key, dest.nbytes)
-            except header.CorruptPage as e:
-                self.corrupt(namespace, key, e.reason, str(e))
-                hit = None
-            else:
-                dest[:] = payload  # the one copy a read costs beyond redis-py's own
-                self.counters["bytes_read"] += dest.nbytes
-                hit = True
+    def _account(self, namespace: str, key: str, buf: memoryview, outcome: Any) -> bool | None:
+        """Counts one GET's outcome (True: filled, False: absent, CorruptPage); None for a corrupt one."""
+        if isinstance(outcome, header.CorruptPage):
+            self.corrupt(namespace, key, outcome.reason, str(outcome))
+            hit = None
+        else:
+            hit = outcome
+            if hit:
+                self.counters["bytes_read"] += buf.nbytes
         self.counters["hits" if hit else "misses"] += 1
         return hit
 
@@ -334,6 +337,38 @@ def _describe(e: BaseException) -> str:
 def _byte_view(buf: memoryview) -> memoryview:
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+_THREAD_BYTES = 1 << 20  # batches larger than this are checked and copied off the event loop
+
+
+class _Deferred:
+    def __init__(self, fn: Callable[[], list[Any]]) -> None:
+        self.run = fn
+
+
+def _check_and_copy(
+    namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], results: list[Any]
+) -> list[Any] | _Deferred:
+    def work() -> list[Any]:
+        out: list[Any] = []
+        for key, buf, value in zip(keys, buffers, results, strict=True):
+            if value is None or isinstance(value, Exception):
+                out.append(False)
+                continue
+            dest = _byte_view(buf)
+            try:
+                payload = _verified_payload(value, namespace, key, dest.nbytes)
+            except header.CorruptPage as e:
+                out.append(e)
+                continue
+            # numpy's copy releases the GIL; a memoryview slice assignment would hold it.
+            np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
+            out.append(True)
+        return out
+
+    size = sum(len(v) for v in results if isinstance(v, bytes | bytearray))
+    return _Deferred(work) if size > _THREAD_BYTES else work()
 
 
 def _verified_payload(value: bytes, namespace: str, key: str, length: int) -> memoryview:

@@ -17,7 +17,7 @@ import pytest
 from daemon_proc import to_toml
 from tests_support_ports import free_port
 
-from hicached.client import Client
+from hicached.client import Client, control
 from hicached.errors import HicachedError
 
 PAGE = 64 * 1024
@@ -207,3 +207,56 @@ def test_unit_file_verifies():
         # Type=notify-reload and ReloadSignal= arrived in systemd 253; older versions warn about them only.
         problems = [p for p in problems if "notify-reload" not in p and "ReloadSignal" not in p]
     assert not problems, out.stderr
+
+
+def test_socket_activation(tmp_path):
+    """A listening socket handed over as systemd does (fd 3, LISTEN_FDS, LISTEN_PID) is served, and left
+    in place at exit: it belongs to the service manager."""
+    path = str(tmp_path / "activated.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    cfg = tmp_path / "hicached.toml"
+    cfg.write_text(
+        to_toml(
+            {
+                "server": {"socket": "unused/never.sock"},
+                "pool": {"capacity": "64MiB", "slab_size": "4MiB", "prefault": False},
+                "storage": {"backend": "none"},
+                "warmup": {"enabled": False},
+            }
+        )
+    )
+    # LISTEN_PID must be the daemon's own pid: set it in a wrapper that then execs the daemon (same pid).
+    wrapper = (
+        "import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ['LISTEN_FDS'] = '1';"
+        "os.environ['LISTEN_PID'] = str(os.getpid());"
+        "os.execv(sys.executable, [sys.executable, '-m', 'hicached', 'serve', '--config', sys.argv[2]])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", wrapper, str(listener.fileno()), str(cfg)],
+        pass_fds=[listener.fileno()],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    listener.close()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                status = control(path, "status", timeout=2)
+                break
+            except HicachedError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+                time.sleep(0.05)
+        assert status["socket"] == path
+        assert not os.path.exists(tmp_path / "unused")
+        with Client(path, "act.ns", PAGE) as c:
+            assert c.store(["a"], [b"\1" * PAGE]) == [True]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert os.path.exists(path), "the activated socket is the service manager's: not unlinked"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
