@@ -14,7 +14,8 @@ import torch
 import uvloop
 
 import config
-from hicached.client import AsyncClient, Client, _as_bytes_array
+from hicached.client import AsyncClient, Client
+from hicached.client_ops import _as_bytes_array
 from hicached.daemon import Daemon
 from hicached.errors import HicachedError
 

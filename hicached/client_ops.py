@@ -1,0 +1,188 @@
+"""What each client operation does, written once as generators that yield requests and receive answers
+(no I/O): `Client` and `AsyncClient` in hicached.client only carry the requests. Also the checks that turn
+pages and buffers into byte views, and the mapping of the shared pool on the client's side."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import protocol
+from .client_regions import RegionOps
+from .errors import BAD_REQUEST, CONNECTION, HicachedError
+from .keys import check_namespace
+
+Op = Generator[dict[str, Any], dict[str, Any] | None, Any]
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def _populate(mm: mmap.mmap, size: int) -> None:
+    step = 256 << 20
+    try:
+        for start in range(0, size, step):
+            mm.madvise(_MADV_POPULATE_WRITE, start, min(step, size - start))
+    except (OSError, ValueError):
+        pass  # an older kernel, or the client closed meanwhile: pages fault in on first use instead
+
+
+class _NoReply(dict):
+    """A request whose answer nobody waits for (a lease release): it saves a round trip."""
+
+
+def _as_bytes_array(obj: Any, nbytes: int, writable: bool, what: str) -> np.ndarray:
+    """A flat uint8 numpy view of a page or a buffer (bytes-like object or CPU tensor), without a copy."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # torch.Tensor
+        if obj.is_cuda:
+            raise HicachedError(BAD_REQUEST, f"{what} is a CUDA tensor: register it as a region instead")
+        if not obj.is_contiguous():
+            raise HicachedError(BAD_REQUEST, f"{what} tensor is not contiguous")
+        import torch
+
+        arr = obj.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        try:
+            mv = memoryview(obj)
+        except TypeError:
+            raise HicachedError(BAD_REQUEST, f"{what} must be a bytes-like object or a tensor") from None
+        if not mv.c_contiguous:
+            raise HicachedError(BAD_REQUEST, f"{what} is not contiguous")
+        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+    if arr.nbytes != nbytes:
+        raise HicachedError(
+            BAD_REQUEST, f"{what} has {arr.nbytes} bytes; this client's page_bytes is {nbytes}"
+        )
+    if writable and not arr.flags.writeable:
+        raise HicachedError(BAD_REQUEST, f"{what} is read-only")
+    return arr
+
+
+class _Ops(RegionOps):
+    """What each client method does, as generators of requests; no I/O."""
+
+    def __init__(self, namespace: str, page_bytes: int) -> None:
+        try:
+            self.namespace = check_namespace(namespace)
+        except ValueError as e:
+            raise HicachedError(BAD_REQUEST, str(e)) from None
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise HicachedError(BAD_REQUEST, f"page_bytes must be a positive integer, got {page_bytes!r}")
+        self.page_bytes = page_bytes
+        self._mm: mmap.mmap | None = None
+        self._pool: np.ndarray | None = None
+        self.token = ""
+        self.regions: dict[int, Any] = {}
+
+    def _attach(self, welcome: dict[str, Any], fd: int) -> None:
+        self.token = welcome.get("token", "")
+        try:
+            size = welcome["pool_bytes"]
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._pool = np.frombuffer(self._mm, dtype=np.uint8)
+        # A fresh mapping faults on the first touch of every page, which makes first copies 3-4x slower.
+        # Map the page tables in the background instead of at connect (that costs ~0.1 s per GiB).
+        threading.Thread(
+            target=_populate, args=(self._mm, size), name="hicached-populate", daemon=True
+        ).start()
+
+    def _detach(self) -> None:
+        self.regions.clear()  # the daemon unregisters a closed connection's regions itself
+        self._pool = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view handed out by get() is still alive; the mapping goes with the process
+            self._mm = None
+
+    def _slot(self, offset: int) -> np.ndarray:
+        if self._pool is None:
+            raise HicachedError(CONNECTION, "the client is closed")
+        return self._pool[offset : offset + self.page_bytes]
+
+    def op_hello(self) -> Op:
+        return (yield {"op": "hello", "namespace": self.namespace, "page_bytes": self.page_bytes})
+
+    def op_exists(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "exists", "keys": list(keys)})["n"]
+
+    def op_store(self, keys: Sequence[str], pages: Sequence[Any]) -> Op:
+        keys = list(keys)
+        if len(keys) != len(pages):
+            raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(pages)} pages")
+        if not keys:
+            return []
+        srcs = [_as_bytes_array(p, self.page_bytes, False, f"page {i}") for i, p in enumerate(pages)]
+        ans = yield {"op": "alloc", "keys": keys}
+        result = [s == protocol.ALLOC_PRESENT for s in ans["status"]]
+        to_write = [i for i, s in enumerate(ans["status"]) if s == protocol.ALLOC_WRITE]
+        if not to_write:
+            return result
+        written = [keys[i] for i in to_write]
+        try:
+            for i in to_write:
+                np.copyto(self._slot(ans["offsets"][i]), srcs[i])
+        except BaseException:
+            yield _NoReply(op="abort", keys=written)
+            raise
+        # The commit needs no answer: the daemon handles a connection's requests in order, so anything
+        # this client asks next already sees the pages; this saves a round trip per store.
+        yield _NoReply(op="commit", keys=written)
+        for i in to_write:
+            result[i] = True
+        return result
+
+    def op_load(self, keys: Sequence[str], buffers: Sequence[Any]) -> Op:
+        if len(keys) != len(buffers):
+            raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(buffers)} buffers")
+        dsts = [_as_bytes_array(b, self.page_bytes, True, f"buffer {i}") for i, b in enumerate(buffers)]
+        if not keys:
+            return 0
+        ans = yield {"op": "acquire", "keys": list(keys)}
+        offsets = ans["offsets"]
+        if not offsets:
+            return 0
+        try:
+            for dst, off in zip(dsts, offsets, strict=False):
+                np.copyto(dst, self._slot(off))
+        finally:
+            yield _NoReply(op="release", lease=ans["lease"])
+        return len(offsets)
+
+    def op_get(self, keys: Sequence[str]) -> Op:
+        if not keys:
+            return []
+        ans = yield {"op": "acquire", "keys": list(keys)}
+        if not ans["offsets"]:
+            return []
+        try:
+            return [self._slot(off).tobytes() for off in ans["offsets"]]
+        finally:
+            yield _NoReply(op="release", lease=ans["lease"])
+
+    def op_prefetch(self, keys: Sequence[str], priority: int) -> Op:
+        return (yield {"op": "prefetch", "keys": list(keys), "priority": int(priority)})["handle"]
+
+    def op_wait(self, handle: int, timeout: float | None) -> Op:
+        req: dict[str, Any] = {"op": "wait", "handle": handle}
+        if timeout is not None:
+            req["timeout"] = float(timeout)
+        return (yield req)["n"]
+
+    def op_pin(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "pin", "keys": list(keys)})["n"]
+
+    def op_unpin(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "unpin", "keys": list(keys)})["n"]
+
+    def op_simple(self, op: str) -> Op:
+        ans = yield {"op": op}
+        ans.pop("id", None)
+        return ans
