@@ -169,6 +169,9 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= st.retry.jitter <= 1.0:
         raise ConfigError("storage.retry.jitter", "must be between 0 and 1")
     _positive(st.file, "storage.file", "io_threads")
+    _positive(st.file, "storage.file", "janitor_interval")
+    if not 0.0 < st.file.low_watermark < 1.0:
+        raise ConfigError("storage.file.low_watermark", "must be between 0 and 1 (a fraction of max_bytes)")
     if st.backend == "file" and not st.file.root:
         raise ConfigError("storage.file.root", 'must name a directory when storage.backend = "file"')
     r = st.redis

@@ -69,6 +69,12 @@ class FileConfig:
     root: Path = "data"
     io_threads: int = 8
     fsync: bool = False
+    # Bound on the bytes of page files under root (0: none). Past it, a janitor removes the least recently
+    # used pages down to low_watermark * max_bytes; it looks every janitor_interval, and at once when a
+    # write crosses the bound.
+    max_bytes: Size = 0
+    low_watermark: float = 0.9
+    janitor_interval: Duration = 30.0
 
 
 @dataclass

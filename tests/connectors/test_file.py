@@ -10,6 +10,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 
 import pytest
 
@@ -456,3 +457,169 @@ async def test_mismatched_lengths_and_readonly_buffers_are_refused(tmp_path) -> 
             await conn.put(NS, [key(1)], [])
         with pytest.raises(ValueError):
             await conn.get_into(NS, [key(1)], [memoryview(b"x")])
+
+
+# Capacity bound: the janitor removes the least recently used pages once the tree passes max_bytes.
+
+PAGE = 4 * KiB
+FILE = header.HEADER_SIZE + PAGE  # bytes of one page file
+
+
+def tree_bytes(conn: FileConnector) -> int:
+    """Bytes of the page files under root, seen from outside (temporary files left out)."""
+    paths = glob.glob(os.path.join(conn.root, "*", "*", "*", "*"))
+    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
+
+
+def set_last_use(path: str, when: float) -> None:
+    os.utime(path, (when, when))
+
+
+async def stop_janitor(conn: FileConnector) -> None:
+    """Leaves the janitor's work to the test's own enforce_bound() calls, so that runs are deterministic."""
+    await conn._scanned.wait()
+    conn._janitor.cancel()
+    await asyncio.gather(conn._janitor, return_exceptions=True)
+
+
+async def test_bound_removes_the_least_recently_used_pages(tmp_path) -> None:
+    async with started(tmp_path, max_bytes=10 * FILE, low_watermark=0.5) as conn:
+        await stop_janitor(conn)
+        keys = [key(i) for i in range(14)]
+        assert await conn.put(NS, keys, [page(i, PAGE) for i in range(14)]) == [True] * 14
+        assert conn.stored_bytes == 14 * FILE
+        old = time.time() - 3600
+        for i, k in enumerate(keys):  # written in this order, an hour ago
+            set_last_use(path_of(conn, k), old + i)
+        assert await conn.get_into(NS, [keys[0]], [memoryview(bytearray(PAGE))]) == [True]  # read: now newest
+        assert os.stat(path_of(conn, keys[0])).st_mtime > old + 1800  # marked used whatever atime does
+
+        assert await conn.enforce_bound() == 9  # from 14 pages down to 0.5 * 10
+        assert conn.stored_bytes == tree_bytes(conn) == 5 * FILE
+        assert (conn.counters["evictions"], conn.counters["evicted_bytes"]) == (9, 9 * FILE)
+        survivors = [keys[0], *keys[10:]]
+        bufs = [memoryview(bytearray(PAGE)) for _ in survivors]
+        assert await conn.get_into(NS, survivors, bufs) == [True] * 5
+        assert bufs == [page(i, PAGE) for i in (0, 10, 11, 12, 13)]
+        # An evicted page is an ordinary miss.
+        assert await conn.get_into(NS, [keys[1]], [memoryview(bytearray(PAGE))]) == [False]
+        assert await conn.exists(NS, keys[1:]) == 0
+        assert conn.counters["misses"] == 1 and not any(k.startswith("corrupt.") for k in conn.counters)
+        # Under the bound, a run removes nothing.
+        assert await conn.enforce_bound() == 0
+        assert conn.stored_bytes == 5 * FILE
+
+
+async def test_page_used_after_the_scan_is_not_evicted(tmp_path, monkeypatch) -> None:
+    async with started(tmp_path, max_bytes=2 * FILE, low_watermark=0.5) as conn:
+        await stop_janitor(conn)
+        keys = [key(i) for i in range(3)]
+        await conn.put(NS, keys, [page(i, PAGE) for i in range(3)])
+        old = time.time() - 3600
+        for i, k in enumerate(keys):
+            set_last_use(path_of(conn, k), old + i)
+        real_scan = conn._scan
+
+        def scan_then_read(stop, collect):
+            out = real_scan(stop, collect)
+            set_last_use(path_of(conn, keys[0]), time.time())  # read by someone between scan and unlink
+            return out
+
+        monkeypatch.setattr(conn, "_scan", scan_then_read)
+        assert await conn.enforce_bound() == 2
+        assert await conn.exists(NS, keys[:1]) == 1 and await conn.exists(NS, keys[1:2]) == 0
+
+
+async def test_estimate_follows_overwrites_deletes_and_corrupt_pages(tmp_path) -> None:
+    async with started(tmp_path, max_bytes=100 * FILE) as conn:
+        await stop_janitor(conn)
+        keys = [key(i) for i in range(3)]
+        await conn.put(NS, keys, [page(i, PAGE) for i in range(3)])
+        await conn.put(NS, keys[:1], [page(9, PAGE)])  # replaces a page: the tree does not grow
+        assert conn.stored_bytes == 3 * FILE
+        assert await conn.delete(NS, keys[1:2]) == 1
+        assert conn.stored_bytes == 2 * FILE
+        _flip(path_of(conn, keys[2]), header.HEADER_SIZE + 5)
+        assert await conn.get_into(NS, keys[2:], [memoryview(bytearray(PAGE))]) == [False]
+        assert conn.stored_bytes == tree_bytes(conn) == FILE
+
+
+async def test_startup_scan_counts_existing_pages_and_removes_stale_temp_files(tmp_path) -> None:
+    async with started(tmp_path) as conn:
+        await conn.put(NS, [key(i) for i in range(3)], [page(i, PAGE) for i in range(3)])
+        shard = os.path.dirname(path_of(conn, key(0)))
+    stale, fresh = os.path.join(shard, f".{key(0)}.dead0.tmp"), os.path.join(shard, f".{key(1)}.live0.tmp")
+    write_file(stale, b"left by a crash")
+    set_last_use(stale, time.time() - 3600)
+    write_file(fresh, b"a write in flight")
+
+    async with started(tmp_path) as conn:  # no bound: one scan at start, then the janitor is done
+        await conn._scanned.wait()
+        await asyncio.wait_for(asyncio.shield(conn._janitor), 10)
+        assert conn.stored_bytes == 3 * FILE
+        assert conn.counters["stale_temp_removed"] == 1
+        assert not exists(stale) and exists(fresh)
+        assert conn.counters["evictions"] == 0
+
+
+async def test_janitor_runs_when_a_put_crosses_the_bound(tmp_path) -> None:
+    conn = make(tmp_path, max_bytes=10 * FILE, janitor_interval="1h")
+    evicted = asyncio.Event()
+    real = conn.enforce_bound
+
+    async def enforce_bound() -> int:
+        n = await real()
+        if n:
+            evicted.set()
+        return n
+
+    conn.enforce_bound = enforce_bound
+    await conn.start()
+    try:
+        await conn._scanned.wait()
+        keys = [key(i) for i in range(12)]
+        assert await conn.put(NS, keys, [page(i, PAGE) for i in range(12)]) == [True] * 12
+        await asyncio.wait_for(evicted.wait(), 10)  # a guard, not a measure: the run starts at once
+        assert conn.stored_bytes == tree_bytes(conn) == 9 * FILE  # down to 0.9 * 10 pages
+        hits = await conn.get_into(NS, keys, [memoryview(bytearray(PAGE)) for _ in keys])
+        assert hits.count(True) == 9
+    finally:
+        await conn.close()
+
+
+async def test_close_leaves_no_task_even_during_a_scan(tmp_path) -> None:
+    conn = make(tmp_path, max_bytes=10 * FILE)
+    release = threading.Event()
+    blocker = conn._scan_executor.submit(release.wait, 5)  # the startup scan queues behind it
+    await conn.start()
+    try:
+        await asyncio.sleep(0)
+        assert not conn._janitor.done()
+    finally:
+        await conn.close()
+        release.set()
+    assert conn._janitor.done()
+    blocker.result(5)
+    assert not conn._scanned.is_set()  # the run was cancelled; its thread stopped at once
+
+
+@pytest.mark.parametrize(
+    "section, path",
+    [
+        ({"low_watermark": 1.0}, "storage.file.low_watermark"),
+        ({"low_watermark": 0}, "storage.file.low_watermark"),
+        ({"janitor_interval": "0s"}, "storage.file.janitor_interval"),
+        ({"max_bytes": -1}, "storage.file.max_bytes"),
+    ],
+)
+def test_bound_settings_are_checked(tmp_path, section, path: str) -> None:
+    with pytest.raises(config.ConfigError) as e:
+        make(tmp_path, **section)
+    assert e.value.path == path
+
+
+def test_bound_defaults_to_none(tmp_path) -> None:
+    default = config.from_dict({}).storage.file
+    assert (default.max_bytes, default.low_watermark, default.janitor_interval) == (0, 0.9, 30.0)
+    cfg = config.from_dict({"storage": {"file": {"max_bytes": "2GiB", "janitor_interval": "5s"}}})
+    assert (cfg.storage.file.max_bytes, cfg.storage.file.janitor_interval) == (2 << 30, 5.0)
