@@ -25,7 +25,7 @@ import xxhash
 from config import Config, resolve_path
 from hicached.keys import valid_key, valid_namespace
 
-from . import header
+from . import file_janitor, header
 from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector
 
 log = logging.getLogger("hicached.connectors.file")
@@ -46,7 +46,6 @@ _CHUNK = 256 << 10
 # page cache, and dirties the inode, so hot pages are not touched on every read.
 _TOUCH_AFTER_S = 60.0
 # Temporary files older than this are left by a crash (a write takes milliseconds) and are removed.
-_STALE_TMP_S = 600.0
 
 
 def _errname(e: OSError) -> str:
@@ -508,7 +507,7 @@ class FileConnector(Connector):
         """One janitor run: (pages removed, their bytes, stale temporary files removed); None if stopped."""
         with self._stored_lock:
             before = self._stored
-        scanned = self._scan(stop, collect=self._max_bytes > 0)
+        scanned = file_janitor.scan(self.root, stop, collect=self._max_bytes > 0)
         if scanned is None:
             return None
         total, pages, stale = scanned
@@ -518,70 +517,9 @@ class FileConnector(Connector):
             for used, size, ino, path in pages:
                 if total - freed <= self._low_bytes or stop.is_set():
                     break
-                if self._evict(path, ino, used):
+                if file_janitor.evict(path, ino, used):
                     evicted += 1
                     freed += size
         with self._stored_lock:  # what puts and deletes changed during the scan counts on top of it
             self._stored = total - freed + (self._stored - before)
         return evicted, freed, stale
-
-    def _scan(
-        self, stop: threading.Event, collect: bool
-    ) -> tuple[int, list[tuple[float, int, int, str]], int] | None:
-        """Walks root/namespace/ab/cd: the bytes of the page files, with `collect` each page's (last use,
-        size, inode, path), and how many stale temporary files it removed. None if `stop` was set."""
-        total = stale = 0
-        pages: list[tuple[float, int, int, str]] = []
-        now = time.time()
-        for shard in self._shards():
-            if stop.is_set():
-                return None
-            try:
-                with os.scandir(shard) as entries:
-                    for entry in entries:
-                        try:
-                            if not entry.is_file(follow_symlinks=False):
-                                continue
-                            st = entry.stat(follow_symlinks=False)
-                            if entry.name.startswith("."):  # a write's temporary file (keys never start so)
-                                if entry.name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
-                                    os.unlink(entry.path)
-                                    stale += 1
-                                continue
-                        except (FileNotFoundError, NotADirectoryError):
-                            continue  # removed or renamed since listed
-                        total += st.st_size
-                        if collect:
-                            # atime when the filesystem keeps it; reads also set mtime (see _TOUCH_AFTER_S).
-                            pages.append((max(st.st_atime, st.st_mtime), st.st_size, st.st_ino, entry.path))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-        return total, pages, stale
-
-    def _shards(self):
-        """The shard directories, root/namespace/ab/cd; anything else in the tree is left alone."""
-        for ns in _subdirs(self.root, missing_ok=False):
-            for a in _subdirs(ns):
-                yield from _subdirs(a)
-
-    @staticmethod
-    def _evict(path: str, ino: int, used: float) -> bool:
-        # Not if it was read or written again since the scan (a new inode, or a later mtime).
-        try:
-            now = os.stat(path, follow_symlinks=False)
-            if now.st_ino != ino or now.st_mtime > used:
-                return False
-            os.unlink(path)
-            return True
-        except OSError:
-            return False
-
-
-def _subdirs(path: str, missing_ok: bool = True) -> list[str]:
-    try:
-        with os.scandir(path) as entries:
-            return [e.path for e in entries if e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        if missing_ok:
-            return []
-        raise

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import config
-from connectors import BackendUnavailable, build, header
+from connectors import BackendUnavailable, build, file_janitor, header
 from connectors.file import FileConnector
 
 NS = "llama-3.1-8b.bf16.p64.tp0of1"
@@ -518,14 +518,14 @@ async def test_page_used_after_the_scan_is_not_evicted(tmp_path, monkeypatch) ->
         old = time.time() - 3600
         for i, k in enumerate(keys):
             set_last_use(path_of(conn, k), old + i)
-        real_scan = conn._scan
+        real_scan = file_janitor.scan
 
-        def scan_then_read(stop, collect):
-            out = real_scan(stop, collect)
+        def scan_then_read(root, stop, collect):
+            out = real_scan(root, stop, collect)
             set_last_use(path_of(conn, keys[0]), time.time())  # read by someone between scan and unlink
             return out
 
-        monkeypatch.setattr(conn, "_scan", scan_then_read)
+        monkeypatch.setattr(file_janitor, "scan", scan_then_read)
         assert await conn.enforce_bound() == 2
         assert await conn.exists(NS, keys[:1]) == 1 and await conn.exists(NS, keys[1:2]) == 0
 
