@@ -88,10 +88,14 @@ def cmd_ctl(args: argparse.Namespace) -> int:
         print(f"hicached ctl: {e}", file=sys.stderr)
         return 1
     answer.pop("id", None)
-    if args.json:
-        print(json.dumps(answer, indent=2, sort_keys=True))
-    else:
-        _print_human(answer)
+    try:
+        if args.json:
+            print(json.dumps(answer, indent=2, sort_keys=True))
+        else:
+            _print_human(answer)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `hicached ctl stats | head`: the reader went away, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 1 if answer.get("ok") is False else 0
 
 

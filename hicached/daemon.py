@@ -49,6 +49,7 @@ class Daemon:
         self.reloads = {"ok": 0, "rejected": 0}
         self._reload_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._serving = False
 
     # Lifecycle.
 
@@ -63,6 +64,7 @@ class Daemon:
         await self._attach_configured(startup=True)
         self.server = Server(cfg, self.tiers, control=self._control_handlers())
         await self.server.start(listen_sock)
+        self._serving = True
         if cfg.metrics.listen:
             self.metrics = MetricsServer(self)
             await self.metrics.start(cfg.metrics.listen)
@@ -121,8 +123,8 @@ class Daemon:
             interval = self.cfg.warmup.snapshot_interval
 
     def _save_warm_list(self) -> None:
-        if not self.cfg.warmup.enabled or self.tiers is None:
-            return
+        if not self.cfg.warmup.enabled or self.tiers is None or not self._serving:
+            return  # a start-up that failed (say, another daemon on the socket) must not touch its list
         pages = warmup.snapshot(self.tiers.index, self._warm_limit())
         try:
             warmup.save(self._warm_path(), pages)
@@ -159,19 +161,28 @@ class Daemon:
         log.info("stopped")
 
     async def run(self, listen_sock: socket.socket | None = None) -> None:
-        await self.startup(listen_sock)
         loop = asyncio.get_running_loop()
+        if self.should_exit is None:
+            self.should_exit = asyncio.Event()
         sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        # Installed before start-up and kept until the very end: a second Ctrl-C, or a service manager
+        # signalling again, must not interrupt the final flush with a KeyboardInterrupt.
         for sig in sigs:
             loop.add_signal_handler(sig, self.handle_signal, sig)
         try:
+            await self.startup(listen_sock)
             await self.main_loop()
         finally:
-            for sig in sigs:
-                loop.remove_signal_handler(sig)
-            await self.shutdown()
+            try:
+                await self.shutdown()
+            finally:
+                for sig in sigs:
+                    loop.remove_signal_handler(sig)
 
     def handle_signal(self, sig: int) -> None:
+        if self.should_exit.is_set():
+            log.info("received %s while shutting down; still finishing", signal.Signals(sig).name)
+            return
         if sig in (signal.SIGINT, signal.SIGTERM):
             log.info(
                 "received %s: finishing requests in flight and backups, then exiting",

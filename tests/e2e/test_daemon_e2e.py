@@ -346,3 +346,20 @@ def test_msgpack_answers_are_small():
     # Page bytes never travel on the socket: an alloc answer for 64 keys is offsets only.
     ans = {"id": 1, "status": [0] * 64, "offsets": [1 << 30] * 64}
     assert len(msgpack.packb(ans)) < 1024
+
+
+def test_second_signal_does_not_interrupt_the_final_flush(daemon_factory):
+    # Regression: handlers were removed before shutdown, so a second Ctrl-C (or `timeout` forwarding one)
+    # raised KeyboardInterrupt in the middle of writing pages to L3.
+    d = daemon_factory({"storage": {"write_policy": "write_back"}, "warmup": {"enabled": True}})
+    keys, pages = keys_for(13, 60), make_pages(13, 60)
+    with Client(d.socket, "sig.ns", PAGE) as c:
+        store_all(c, keys, pages)
+    d.proc.send_signal(signal.SIGINT)
+    d.proc.send_signal(signal.SIGINT)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.stop() == 0
+    assert "Traceback" not in d.log() and "still finishing" in d.log()
+    d.start()
+    with Client(d.socket, "sig.ns", PAGE) as c:
+        assert c.get(keys) == pages
