@@ -282,3 +282,24 @@ async def test_hello_checks_page_size(tmp_path):
             t.hello(Session(), "ns", PAGE * 2)
     finally:
         await close_tiers(t)
+
+
+async def test_wait_policies(tmp_path):
+    for policy, expect_all in (("best_effort", False), ("timeout", True), ("wait_complete", True)):
+        t = await make_tiers(
+            tmp_path / policy, prefetch={"policy": policy, "timeout_base": "30s", "timeout_per_page": "1s"}
+        )
+        try:
+            s = session(t)
+            keys = [f"w{i}" for i in range(8)]
+            write(t, s, keys)
+            await t.backup.drain(10)
+            for k in keys:
+                t.index.remove(t.index.get("ns1", k))
+            h = t.prefetch(s, keys, 0)
+            n = await t.wait(s, h, None)  # the policy decides how long
+            # best_effort answers at once, with what has arrived (nothing yet: the reads are in flight).
+            assert n == (8 if expect_all else 0), policy
+            await t.prefetcher.stop()
+        finally:
+            await close_tiers(t)
