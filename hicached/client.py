@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import protocol
-from .client_ops import Op, _NoReply, _Ops
+from .client_ops import Op, _Await, _NoReply, _Ops, _Send
 from .client_regions import SideAttach, shared_buffer, side_attach
 from .errors import CONNECTION, TIMEOUT, HicachedError
 
@@ -208,27 +208,37 @@ class Client:
         except StopIteration as stop:
             return stop.value
 
-    def _request(self, req: dict[str, Any]) -> dict[str, Any] | None:
+    def _request(self, req: Any) -> Any:
         if isinstance(req, SideAttach):
             if self._broken:
                 raise HicachedError(CONNECTION, self._broken)
             return side_attach(_connect, self._path, req, self.timeout)
+        if isinstance(req, _Await):
+            return self._collect(req.ticket)
+        rid = self._send(req)
+        if isinstance(req, _NoReply):
+            return None
+        if isinstance(req, _Send):
+            return rid  # the ticket: collected by a later _Await
+        return self._collect(rid)
+
+    def _send(self, req: dict[str, Any]) -> int:
         rid = next(self._ids)
         req["id"] = rid
         data = protocol.encode(req)
-        wait = not isinstance(req, _NoReply)
         with self._cv:
             if self._broken:
                 raise HicachedError(CONNECTION, self._broken)
-            if wait:
+            if not isinstance(req, _NoReply):
                 self._waiting.add(rid)
         try:
             with self._send_lock:
                 self._sock.sendall(data)
         except OSError as e:
             self._fail(f"the connection to the daemon broke: {e}")
-        if not wait:
-            return None
+        return rid
+
+    def _collect(self, rid: int) -> dict[str, Any]:
         try:
             return protocol.raise_for_error(self._await(rid, time.monotonic() + self.timeout))
         finally:
@@ -421,7 +431,7 @@ class AsyncClient:
         except StopIteration as stop:
             return stop.value
 
-    async def _request(self, req: dict[str, Any]) -> dict[str, Any] | None:
+    async def _request(self, req: Any) -> Any:
         proto = self._proto
         if proto is None or proto.broken:
             raise HicachedError(CONNECTION, proto.broken if proto else "the client is not connected")
@@ -429,6 +439,8 @@ class AsyncClient:
             loop = asyncio.get_running_loop()
             path, timeout = self.socket_path, self.timeout
             return await loop.run_in_executor(None, side_attach, _connect, path, req, timeout)
+        if isinstance(req, _Await):
+            return await self._collect(*req.ticket)
         rid = next(self._ids)
         req["id"] = rid
         if isinstance(req, _NoReply):
@@ -437,13 +449,19 @@ class AsyncClient:
         fut = asyncio.get_running_loop().create_future()
         proto.waiters[rid] = fut
         proto.transport.write(protocol.encode(req))
+        if isinstance(req, _Send):
+            return (rid, fut)  # the ticket: collected by a later _Await
+        return await self._collect(rid, fut)
+
+    async def _collect(self, rid: int, fut: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
         try:
             async with asyncio.timeout(self.timeout):
                 return protocol.raise_for_error(await fut)
         except TimeoutError:
             raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s") from None
         finally:
-            proto.waiters.pop(rid, None)
+            if self._proto is not None:
+                self._proto.waiters.pop(rid, None)
 
 
 def control(socket_path: str, op: str, timeout: float = DEFAULT_TIMEOUT, **args: Any) -> dict[str, Any]:

@@ -35,6 +35,24 @@ class _NoReply(dict):
     """A request whose answer nobody waits for (a lease release): it saves a round trip."""
 
 
+class _Send(dict):
+    """A request sent now whose answer is collected later with `_Await(ticket)`: the driver answers the
+    yield with a ticket at once. Lets an operation keep the daemon busy while it copies."""
+
+
+class _Await:
+    __slots__ = ("ticket",)
+
+    def __init__(self, ticket: Any) -> None:
+        self.ticket = ticket
+
+
+# A store of at least this many pages is cut into chunks whose allocations are all sent first: the daemon
+# works on the later ones while the client copies the first.
+_PIPELINE_MIN_PAGES = 16
+_PIPELINE_CHUNKS = 4
+
+
 def _as_bytes_array(obj: Any, nbytes: int, writable: bool, what: str) -> np.ndarray:
     """A flat uint8 numpy view of a page or a buffer (bytes-like object or CPU tensor), without a copy."""
     if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # torch.Tensor
@@ -120,15 +138,46 @@ class _Ops(RegionOps):
         if not keys:
             return []
         srcs = [_as_bytes_array(p, self.page_bytes, False, f"page {i}") for i, p in enumerate(pages)]
-        ans = yield {"op": "alloc", "keys": keys}
-        result = [s == protocol.ALLOC_PRESENT for s in ans["status"]]
-        to_write = [i for i, s in enumerate(ans["status"]) if s == protocol.ALLOC_WRITE]
+        n = len(keys)
+        chunks = _PIPELINE_CHUNKS if n >= _PIPELINE_MIN_PAGES else 1
+        bounds = [(n * c // chunks, n * (c + 1) // chunks) for c in range(chunks)]
+        tickets = []
+        for lo, hi in bounds:
+            tickets.append((yield _Send(op="alloc", keys=keys[lo:hi])))
+        result = [False] * n
+        done = 0
+        try:
+            for (lo, _), ticket in zip(bounds, tickets, strict=True):
+                ans = yield _Await(ticket)
+                done += 1
+                yield from self._fill_slots(keys, srcs, lo, ans, result)
+        except BaseException:
+            # Allocations answered after the failure still hold slots: give them back.
+            for (lo, _), ticket in zip(bounds[done:], tickets[done:], strict=True):
+                try:
+                    ans = yield _Await(ticket)
+                except HicachedError:
+                    continue
+                held = [keys[lo + i] for i, st in enumerate(ans["status"]) if st == protocol.ALLOC_WRITE]
+                if held:
+                    yield _NoReply(op="abort", keys=held)
+            raise
+        return result
+
+    def _fill_slots(
+        self, keys: list[str], srcs: list[np.ndarray], lo: int, ans: dict, result: list[bool]
+    ) -> Op:
+        """Copies one chunk into the slots its allocation gave, then commits it."""
+        status, offsets = ans["status"], ans["offsets"]
+        to_write = [i for i, st in enumerate(status) if st == protocol.ALLOC_WRITE]
+        for i, st in enumerate(status):
+            result[lo + i] = st == protocol.ALLOC_PRESENT
         if not to_write:
-            return result
-        written = [keys[i] for i in to_write]
+            return
+        written = [keys[lo + i] for i in to_write]
         try:
             for i in to_write:
-                np.copyto(self._slot(ans["offsets"][i]), srcs[i])
+                np.copyto(self._slot(offsets[i]), srcs[lo + i])
         except BaseException:
             yield _NoReply(op="abort", keys=written)
             raise
@@ -136,8 +185,7 @@ class _Ops(RegionOps):
         # this client asks next already sees the pages; this saves a round trip per store.
         yield _NoReply(op="commit", keys=written)
         for i in to_write:
-            result[i] = True
-        return result
+            result[lo + i] = True
 
     def op_load(self, keys: Sequence[str], buffers: Sequence[Any]) -> Op:
         if len(keys) != len(buffers):
