@@ -4,6 +4,7 @@ pages and buffers into byte views, and the mapping of the shared pool on the cli
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -141,19 +142,35 @@ class _Ops(RegionOps):
         n = len(keys)
         chunks = _PIPELINE_CHUNKS if n >= _PIPELINE_MIN_PAGES else 1
         bounds = [(n * c // chunks, n * (c + 1) // chunks) for c in range(chunks)]
-        tickets = []
+        allocs = []
         for lo, hi in bounds:
-            tickets.append((yield _Send(op="alloc", keys=keys[lo:hi])))
+            allocs.append((yield _Send(op="alloc", keys=keys[lo:hi])))
         result = [False] * n
+        commits: list[tuple[list[int], Any]] = []  # (indices into keys, ticket) of commits sent
         done = 0
         try:
-            for (lo, _), ticket in zip(bounds, tickets, strict=True):
+            for (lo, _), ticket in zip(bounds, allocs, strict=True):
                 ans = yield _Await(ticket)
                 done += 1
-                yield from self._fill_slots(keys, srcs, lo, ans, result)
+                status = ans["status"]
+                for i, st in enumerate(status):
+                    result[lo + i] = st == protocol.ALLOC_PRESENT
+                to_write = [lo + i for i, st in enumerate(status) if st == protocol.ALLOC_WRITE]
+                if not to_write:
+                    continue
+                written = [keys[i] for i in to_write]
+                try:
+                    for i in to_write:
+                        np.copyto(self._slot(ans["offsets"][i - lo]), srcs[i])
+                except BaseException:
+                    yield _NoReply(op="abort", keys=written)
+                    raise
+                # Committed while the next chunk is copied; answered below. A page is reported stored
+                # only once the daemon has it, so any connection that asks next sees it.
+                commits.append((to_write, (yield _Send(op="commit", keys=written))))
         except BaseException:
             # Allocations answered after the failure still hold slots: give them back.
-            for (lo, _), ticket in zip(bounds[done:], tickets[done:], strict=True):
+            for (lo, _), ticket in zip(bounds[done:], allocs[done:], strict=True):
                 try:
                     ans = yield _Await(ticket)
                 except HicachedError:
@@ -161,31 +178,15 @@ class _Ops(RegionOps):
                 held = [keys[lo + i] for i, st in enumerate(ans["status"]) if st == protocol.ALLOC_WRITE]
                 if held:
                     yield _NoReply(op="abort", keys=held)
+            for _, ticket in commits:
+                with contextlib.suppress(HicachedError):
+                    yield _Await(ticket)
             raise
+        for indices, ticket in commits:
+            ok = (yield _Await(ticket))["ok"]
+            for i, good in zip(indices, ok, strict=True):
+                result[i] = bool(good)
         return result
-
-    def _fill_slots(
-        self, keys: list[str], srcs: list[np.ndarray], lo: int, ans: dict, result: list[bool]
-    ) -> Op:
-        """Copies one chunk into the slots its allocation gave, then commits it."""
-        status, offsets = ans["status"], ans["offsets"]
-        to_write = [i for i, st in enumerate(status) if st == protocol.ALLOC_WRITE]
-        for i, st in enumerate(status):
-            result[lo + i] = st == protocol.ALLOC_PRESENT
-        if not to_write:
-            return
-        written = [keys[lo + i] for i in to_write]
-        try:
-            for i in to_write:
-                np.copyto(self._slot(offsets[i]), srcs[lo + i])
-        except BaseException:
-            yield _NoReply(op="abort", keys=written)
-            raise
-        # The commit needs no answer: the daemon handles a connection's requests in order, so anything
-        # this client asks next already sees the pages; this saves a round trip per store.
-        yield _NoReply(op="commit", keys=written)
-        for i in to_write:
-            result[lo + i] = True
 
     def op_load(self, keys: Sequence[str], buffers: Sequence[Any]) -> Op:
         if len(keys) != len(buffers):

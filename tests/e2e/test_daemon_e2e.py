@@ -363,3 +363,15 @@ def test_second_signal_does_not_interrupt_the_final_flush(daemon_factory):
     d.start()
     with Client(d.socket, "sig.ns", PAGE) as c:
         assert c.get(keys) == pages
+
+
+def test_a_stored_page_is_visible_at_once_to_other_connections(daemon):
+    # Regression: a commit sent without waiting for its answer let store() return before the daemon had
+    # the page, so an engine on another connection could miss a page another had just stored (seen when
+    # the writer closed its connection right after storing).
+    with Client(daemon.socket, "rw.ns", PAGE) as reader:
+        for i in range(60):
+            keys = keys_for(100 + i, 20)
+            with Client(daemon.socket, "rw.ns", PAGE) as writer:
+                assert all(writer.store(keys, make_pages(i, 20)))
+            assert reader.exists(keys) == 20, f"round {i}"
