@@ -378,10 +378,8 @@ class FileConnector(Connector):
             os.rename(tmp, final)
             return header.HEADER_SIZE + payload.nbytes - replaced
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
 
     def _make_shard(self, directory: str) -> None:
@@ -464,7 +462,7 @@ class FileConnector(Connector):
                 os.unlink(path)
                 self._add_stored(-now.st_size)
         except OSError:
-            pass
+            pass  # gone already, or not ours to remove: the next read decides again
 
     @staticmethod
     def _size_of(path: str) -> int:

@@ -38,7 +38,7 @@ class _Pending:
         self.error = error
 
     async def close(self) -> None:
-        pass
+        """Nothing to release: no connector was built."""
 
 
 class Histogram:

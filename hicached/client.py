@@ -9,6 +9,7 @@ clients only differ in how they carry a request to the daemon and back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import select
@@ -135,10 +136,8 @@ class Client:
             if self._broken is None:
                 self._broken = "the client is closed"
             self._cv.notify_all()
-        try:
+        with contextlib.suppress(OSError):  # wakes a thread blocked reading; already gone is fine
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         self._ops._detach()
 

@@ -25,11 +25,10 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 def _populate(mm: mmap.mmap, size: int) -> None:
     step = 256 << 20
-    try:
+    # An older kernel, or a client closed meanwhile: then pages fault in on first use instead.
+    with contextlib.suppress(OSError, ValueError):
         for start in range(0, size, step):
             mm.madvise(_MADV_POPULATE_WRITE, start, min(step, size - start))
-    except (OSError, ValueError):
-        pass  # an older kernel, or the client closed meanwhile: pages fault in on first use instead
 
 
 class _NoReply(dict):
@@ -115,10 +114,9 @@ class _Ops(RegionOps):
         self.regions.clear()  # the daemon unregisters a closed connection's regions itself
         self._pool = None
         if self._mm is not None:
-            try:
+            # A view handed out by get() may still be alive: then the mapping goes with the process.
+            with contextlib.suppress(BufferError):
                 self._mm.close()
-            except BufferError:
-                pass  # a view handed out by get() is still alive; the mapping goes with the process
             self._mm = None
 
     def _slot(self, offset: int) -> np.ndarray:

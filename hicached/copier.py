@@ -9,6 +9,7 @@ timed from start to end, so the daemon's watchdog can tell a copy that hangs fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -21,6 +22,13 @@ import numpy as np
 from .errors import COPY_FAILED, UNSUPPORTED, HicachedError
 from .geometry import Geometry, Plan, plan, split
 from .pool import Pool
+
+
+def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """Hands a copy's outcome from a copy thread to the event loop; a closed loop has nobody waiting."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
 
 log = logging.getLogger("hicached.copier")
 
@@ -84,10 +92,7 @@ class Batch:
 
     def job_done(self, error: str | None) -> None:
         """From any thread."""
-        try:
-            self.loop.call_soon_threadsafe(self._done, error)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits any more
+        call_on_loop(self.loop, self._done, error)
 
     def _done(self, error: str | None) -> None:
         self.remaining -= 1

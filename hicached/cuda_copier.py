@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .copier import Batch, Tracker
+from .copier import Batch, Tracker, call_on_loop
 from .errors import BAD_REQUEST, HicachedError
 from .geometry import Geometry, plan
 from .pool import Pool
@@ -280,10 +280,7 @@ class CudaCopier:
                     fut.set_exception(HicachedError(BAD_REQUEST, error))
 
         def done(result: Any, error: str | None) -> None:
-            try:
-                loop.call_soon_threadsafe(settle, result, error)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits any more
+            call_on_loop(loop, settle, result, error)
 
         self._device(index).jobs.put((fn, done))
         return fut

@@ -268,10 +268,10 @@ class Server:
                 sock.close()
         if answer is None:
             return
+        # A peer that went away gets no answer; its region, if any, goes with its connection.
         try:
-            await asyncio.wait_for(loop.sock_sendall(sock, protocol.encode(answer)), 5.0)
-        except (OSError, TimeoutError):
-            pass  # the peer went away; the region (if any) is released with its connection
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(loop.sock_sendall(sock, protocol.encode(answer)), 5.0)
         finally:
             sock.close()
 

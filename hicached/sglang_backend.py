@@ -8,6 +8,7 @@ failure, and the connection is made again on a later call.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -147,10 +148,8 @@ class HicachedStorage(_Base):
             if self._conn is conn:
                 self._conn = None
                 self._retry_at = 0.0  # the first reconnect is immediate; failures then back off
-        try:
+        with contextlib.suppress(Exception):  # a broken connection may fail to close; it is dropped anyway
             conn.close()
-        except Exception:
-            pass
 
     def _call(self, what: str, fn: Callable[[Client], T], default: T) -> T:
         conn = self._client()
