@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import benchlib
 import msgpack
 import numpy as np
 
 from connectors.header import HEADER_SIZE
-from hicached.client import Client, control
-from hicached.errors import HicachedError
+from hicached.client import Client
 
 MiB = 1 << 20
 BATCH = 32  # pages per store/load call
@@ -114,56 +114,10 @@ def raw_io(
     return now() - t0
 
 
-class Daemon:
-    """`python -m hicached serve` on a config of its own; stopped on exit whatever happened."""
-
+class Daemon(benchlib.Daemon):
     def __init__(self, work: Path, pool_bytes: int, policy: str) -> None:
-        cfg = work / f"hicached-{policy}.toml"
-        cfg.write_text(CONFIG.format(pool_mib=pool_bytes // MiB, policy=policy, threads=IO_THREADS))
-        self.sock = str(work / "run" / "hicached.sock")
-        self.log_path = work / "daemon.log"
-        self._log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "hicached", "serve", "--config", str(cfg)]
-        # A session of its own: a Ctrl-C reaches only us, and we stop the daemon in order.
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def __enter__(self) -> Daemon:
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited with {self.proc.returncode}; see {self.log_path}")
-                try:
-                    control(self.sock, "status", timeout=2.0)
-                    return self
-                except HicachedError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def flush(self) -> None:
-        """Returns when nothing is left to back up (the daemon's `flush` control request)."""
-        ans = control(self.sock, "flush", timeout=120.0)
-        if not ans.get("flushed"):
-            raise RuntimeError(f"flush did not complete: {ans}")
-
-    def stop(self) -> None:
-        try:
-            self.proc.terminate()
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:  # also when a second Ctrl-C lands here: never leave the daemon behind
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self._log.close()
+        text = CONFIG.format(pool_mib=pool_bytes // MiB, policy=policy, threads=IO_THREADS)
+        super().__init__(work, text, f"hicached-{policy}.toml")
 
 
 def batched(call: Callable[[list[str], list], list[bool] | int], keys: list[str], objs: list) -> float:

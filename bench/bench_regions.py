@@ -14,7 +14,6 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import numpy as np
 import torch
 
-from hicached.client import Client, _NoReply, control, shared_buffer
-from hicached.errors import HicachedError
+from hicached.client import Client, _NoReply, shared_buffer
 from hicached.geometry import Geometry, Segment, plan
 
 MiB = 1 << 20
@@ -61,40 +60,11 @@ def layouts(page: int, n: int) -> dict[str, list[tuple[int, int, int]] | None]:
     }
 
 
-class Daemon:
-    """`python -m hicached serve` on a config of its own (no L3: the copy path alone); always stopped."""
+class Daemon(benchlib.Daemon):
+    """No L3: the copy path alone."""
 
     def __init__(self, work: Path, pool_bytes: int) -> None:
-        cfg = work / "hicached.toml"
-        cfg.write_text(CONFIG.format(pool_mib=pool_bytes // MiB, threads=COPY_THREADS))
-        self.sock = str(work / "run" / "hicached.sock")
-        self.log = open(work / "daemon.log", "ab")
-        cmd = [sys.executable, "-m", "hicached", "serve", "--config", str(cfg)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def __enter__(self) -> Daemon:
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}")
-            try:
-                control(self.sock, "status", timeout=2.0)
-                return self
-            except HicachedError:
-                if time.monotonic() > deadline:
-                    self.__exit__()
-                    raise
-                time.sleep(0.05)
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.proc.terminate()
-            self.proc.wait(20)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.log.close()
+        super().__init__(work, CONFIG.format(pool_mib=pool_bytes // MiB, threads=COPY_THREADS))
 
 
 def slot_offsets(c: Client, keys: list[str]) -> list[int]:
