@@ -170,6 +170,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("storage.retry.jitter", "must be between 0 and 1")
     _positive(st.file, "storage.file", "io_threads")
     _positive(st.file, "storage.file", "janitor_interval")
+    if not 0 <= st.file.write_nice <= 19:
+        raise ConfigError("storage.file.write_nice", "must be between 0 and 19")
     if not 0.0 < st.file.low_watermark < 1.0:
         raise ConfigError("storage.file.low_watermark", "must be between 0 and 1 (a fraction of max_bytes)")
     if st.backend == "file" and not st.file.root:

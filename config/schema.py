@@ -68,6 +68,9 @@ class PrefetchConfig:
 class FileConfig:
     root: Path = "data"
     io_threads: int = 8
+    # Added to the CPU niceness of the threads that write pages (backups, 0..19; 0: same as the daemon).
+    # Backups are background work: under CPU contention they yield to engines and to reads.
+    write_nice: int = 10
     fsync: bool = False
     # Bound on the bytes of page files under root (0: none). Past it, a janitor removes the least recently
     # used pages down to low_watermark * max_bytes; it looks every janitor_interval, and at once when a

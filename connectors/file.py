@@ -48,6 +48,16 @@ _TOUCH_AFTER_S = 60.0
 # Temporary files older than this are left by a crash (a write takes milliseconds) and are removed.
 
 
+def _lower_priority(increment: int) -> None:
+    """Thread initializer: raises this thread's niceness by `increment` (on Linux each thread has its own)."""
+    if increment:
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        except OSError as e:  # not fatal: the writes still run, at the daemon's priority
+            log.warning("file: could not lower the priority of a write thread: %s", e)
+
+
 def _errname(e: OSError) -> str:
     return errno.errorcode.get(e.errno or 0, "EIO")
 
@@ -106,6 +116,14 @@ class FileConnector(Connector):
         self._threads = fc.io_threads
         self._timeout = cfg.storage.operation_timeout
         self._executor = ThreadPoolExecutor(max_workers=fc.io_threads, thread_name_prefix="hicached-file")
+        # Backups write on threads of their own, at a lower CPU priority (storage.file.write_nice), so that
+        # on a busy node they take the CPU that engines and prefetch reads leave over.
+        self._write_executor = ThreadPoolExecutor(
+            max_workers=fc.io_threads,
+            thread_name_prefix="hicached-file-w",
+            initializer=_lower_priority,
+            initargs=(fc.write_nice,),
+        )
         self._closed = False
         # Temporary names: a tag drawn once (a restarted daemon must not meet its predecessor's leftovers)
         # and a counter, instead of a getrandom call per page.
@@ -153,6 +171,7 @@ class FileConnector(Connector):
             # Not waiting: a hung disk must not hang shutdown. Jobs already submitted still run to the end,
             # so every call in flight gets its answer.
             self._executor.shutdown(wait=False)
+            self._write_executor.shutdown(wait=False)
             self._scan_executor.shutdown(wait=False)
 
     @property
@@ -228,7 +247,7 @@ class FileConnector(Connector):
         if not valid_namespace(namespace):
             self.counters["errors.invalid_namespace"] += len(keys)
             return [False] * len(keys)
-        results = await self._batch(self._write_chunk, namespace, keys, views, "put")
+        results = await self._batch(self._write_chunk, namespace, keys, views, "put", self._write_executor)
         ok = []
         for result, view in zip(results, views, strict=True):
             ok.append(result is None)
@@ -283,19 +302,29 @@ class FileConnector(Connector):
         self.counters["deletes"] += removed
         return removed
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+    async def _call(
+        self, fn: Callable[..., Any], *args: Any, what: str, executor: ThreadPoolExecutor | None = None
+    ) -> Any:
         if self._closed:
             raise BackendUnavailable(self.name, "connector is closed", "closed")
         try:
             async with asyncio.timeout(self._timeout):
-                return await fn(*args, executor=self._executor)
+                return await fn(*args, executor=executor or self._executor)
         except TimeoutError:
             self.counters["errors.timeout"] += 1
             raise BackendUnavailable(self.name, f"{what} took over {self._timeout}s", "timeout") from None
         except OSError as e:
             raise BackendUnavailable(self.name, f"{what} failed: {e}", _errname(e)) from None
 
-    async def _batch(self, chunk_fn: Callable[..., list], namespace: str, keys, views, what: str) -> list:
+    async def _batch(
+        self,
+        chunk_fn: Callable[..., list],
+        namespace: str,
+        keys,
+        views,
+        what: str,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> list:
         """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES)."""
         stop = threading.Event()
         n = len(keys)
@@ -310,7 +339,7 @@ class FileConnector(Connector):
             return await asyncio.gather(*futures, return_exceptions=True)
 
         try:
-            done = await self._call(run_all, what=what)
+            done = await self._call(run_all, what=what, executor=executor)
         finally:
             stop.set()  # after a time-out, workers stop before their next page
         out: list = []

@@ -52,7 +52,7 @@ class Entry:
         self.dirty = False  # acknowledged to an engine, not yet in L3
         self.queued = False  # dirty and handed to the backup workers
         self.in_l3 = False
-        self.fill: asyncio.Future[bool] | None = None  # set while FILLING; True when the page arrived
+        self.fill: asyncio.Future[None] | None = None  # while FILLING: done when its batch's read ends
         self.in_lru = False  # filed in its class's LRU (evictable)
         self.in_dirty = False  # filed in PageIndex.dirty
 

@@ -91,7 +91,6 @@ class Prefetcher:
                 if entry is None:
                     self.counters["prefetch.no_space"] += len(keys) - pos
                     break
-                entry.fill = asyncio.get_running_loop().create_future()
                 self.index.lease(entry)  # held by the fetch until the read ends
                 new.append((pos, entry))
             elif entry.state == WRITING:
@@ -100,8 +99,12 @@ class Prefetcher:
         if new:
             req = _Request()
             self.pending += len(new)
+            loop = asyncio.get_running_loop()
             for i in range(0, len(new), self.batch_pages):
                 batch = new[i : i + self.batch_pages]
+                done = loop.create_future()  # one per batch, done when its read ends: who waits for a
+                for _, entry in batch:  # page waits for its batch (a future per page cost ~1 us a page)
+                    entry.fill = done
                 self._queue.put_nowait((-priority, next(self._seq), ns, req, batch))
         return out
 
@@ -148,6 +151,7 @@ class Prefetcher:
 
     def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool]) -> None:
         self.pending -= len(batch)
+        done = batch[0][1].fill
         for (_, entry), good in zip(batch, ok, strict=True):
             if good:
                 entry.state = READY
@@ -158,6 +162,6 @@ class Prefetcher:
                 self.counters["prefetch.misses"] += 1
                 self.index.remove(entry)
             self.index.unlease(entry)
-            if entry.fill is not None and not entry.fill.done():
-                entry.fill.set_result(good)
             entry.fill = None
+        if done is not None and not done.done():
+            done.set_result(None)

@@ -388,7 +388,7 @@ class Tiers:
                     self.index.unlease(e)
 
     async def _settle(self, entries: list[Entry], timeout: float) -> None:
-        futures = [e.fill for e in entries if e.state == FILLING and e.fill is not None]
+        futures = {e.fill for e in entries if e.state == FILLING and e.fill is not None}  # one per batch
         if futures and timeout > 0:
             await asyncio.wait(futures, timeout=timeout)
 

@@ -126,7 +126,7 @@ async def warm(tiers, pages: list[WarmPage], limit_bytes: int) -> int:
         for (ns, page_bytes, pinned), keys in by_ns.items():
             priority = PINNED_PRIORITY if pinned else WARM_PRIORITY
             entries = tiers.prefetcher.fetch(ns, keys, page_bytes, priority)
-            futures = [e.fill for e in entries if e.fill is not None]
+            futures = {e.fill for e in entries if e.fill is not None}
             if futures:
                 await asyncio.wait(futures)
             for e in entries:

@@ -331,6 +331,8 @@ def test_socket_mode_rejects(value: Any) -> None:
         ({"storage": {"retry": {"jitter": 1.5}}}, "storage.retry.jitter"),
         ({"storage": {"retry": {"jitter": -0.1}}}, "storage.retry.jitter"),
         ({"storage": {"file": {"io_threads": 0}}}, "storage.file.io_threads"),
+        ({"storage": {"file": {"write_nice": 20}}}, "storage.file.write_nice"),
+        ({"storage": {"file": {"write_nice": -1}}}, "storage.file.write_nice"),
         ({"storage": {"backend": "file", "file": {"root": ""}}}, "storage.file.root"),
         ({"storage": {"backend": "redis", "redis": {"url": "http://127.0.0.1:6379"}}}, "storage.redis.url"),
         ({"storage": {"backend": "redis", "redis": {"url": ""}}}, "storage.redis.url"),

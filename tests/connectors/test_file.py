@@ -308,6 +308,26 @@ async def test_batch_goes_to_few_big_jobs(tmp_path, pages: int, size: int, jobs:
         )
 
 
+async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path) -> None:
+    # Backups are background work: their threads are niced by storage.file.write_nice, reads are not.
+    async with started(tmp_path, io_threads=2, write_nice=7) as conn:
+        seen: dict[str, int] = {}
+
+        def spy(fn, what):
+            def chunk(namespace, keys, views, stop):
+                seen[what] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                return fn(namespace, keys, views, stop)
+
+            return chunk
+
+        conn._write_chunk = spy(conn._write_chunk, "write")
+        conn._read_chunk = spy(conn._read_chunk, "read")
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert await conn.put(NS, [key(1)], [page(1, 4 * KiB)]) == [True]
+        assert await conn.get_into(NS, [key(1)], [memoryview(bytearray(4 * KiB))]) == [True]
+        assert seen == {"write": min(19, base + 7), "read": base}
+
+
 async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch) -> None:
     real_pwritev, real_preadv = os.pwritev, os.preadv
     calls = {"w": 0, "r": 0}
