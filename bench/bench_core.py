@@ -28,12 +28,14 @@ import benchlib
 import msgpack
 import numpy as np
 
+from connectors.file import default_io_threads
 from connectors.header import HEADER_SIZE
 from hicached.client import Client
 
 MiB = 1 << 20
 BATCH = 32  # pages per store/load call
-IO_THREADS = 8  # storage.file.io_threads of the daemon, and the raw baselines' thread count
+# The daemon runs with its default storage.file.io_threads; the raw baselines take the fastest of these.
+RAW_THREADS = sorted({1, default_io_threads(), 8})
 EXISTS_KEYS = 64
 CONFIG = """\
 [server]
@@ -46,7 +48,6 @@ backend = "file"
 write_policy = "{policy}"
 [storage.file]
 root = "data"
-io_threads = {threads}
 [shutdown]
 flush_timeout = "30s"
 [warmup]
@@ -116,7 +117,7 @@ def raw_io(
 
 class Daemon(benchlib.Daemon):
     def __init__(self, work: Path, pool_bytes: int, policy: str) -> None:
-        text = CONFIG.format(pool_mib=pool_bytes // MiB, policy=policy, threads=IO_THREADS)
+        text = CONFIG.format(pool_mib=pool_bytes // MiB, policy=policy)
         super().__init__(work, text, f"hicached-{policy}.toml")
 
 
@@ -194,14 +195,13 @@ class SizeBench:
         self.write_through_phase()
         for keys in self.sets:
             drop_files(self.root, self.ns, keys)
-        w = max(("pwrite1", "pwriteN"), key=self.gbps)
-        r = max(("preadv1", "preadvN"), key=self.gbps)
+        w = max((f"pwrite{t}" for t in RAW_THREADS), key=self.gbps)
+        r = max((f"preadv{t}" for t in RAW_THREADS), key=self.gbps)
         print(f"raw memoryview slice assignment: {self.gbps('mv'):.2f} GB/s (holds the GIL; for reference)")
         for what in ("pwrite", "preadv"):
-            one, many = self.gbps(what + "1"), self.gbps(what + "N")
-            print(f"raw {what}, file per page: 1 thread {one:.2f} GB/s, {IO_THREADS} threads {many:.2f} GB/s")
-        threads = {"1": "1 thread", "N": f"{IO_THREADS} threads"}
-        print(f"baselines below use the faster: pwrite {threads[w[-1]]}, preadv {threads[r[-1]]}")
+            each = ", ".join(f"{t} thread(s) {self.gbps(f'{what}{t}'):.2f} GB/s" for t in RAW_THREADS)
+            print(f"raw {what}, file per page: {each}")
+        print(f"baselines below use the fastest: {w[6:]} threads for pwrite, {r[6:]} for preadv")
         lb, g = self.label, self.gbps
         rows += [
             (f"store {lb} (write-back: L2 alone)", g("store"), g("memcpy"), "GB/s", ">=0.8"),
@@ -224,10 +224,8 @@ class SizeBench:
                 t0 = now()
                 d.flush()
                 tb = now() - t0
-                w1, wn = self.raw_write(1), self.raw_write(IO_THREADS)
-                self.keep(
-                    r, store=ts, backup=tb, memcpy=self.memcpy(), mv=self.mv_assign(), pwrite1=w1, pwriteN=wn
-                )
+                raw = {f"pwrite{t}": self.raw_write(t) for t in RAW_THREADS}
+                self.keep(r, store=ts, backup=tb, memcpy=self.memcpy(), mv=self.mv_assign(), **raw)
                 self.sets.append(keys)
                 if len(self.sets) > a.pool_bytes // self.nbytes + 1:  # enough to cycle prefetch through
                     drop_files(self.root, self.ns, self.sets.pop(0))
@@ -250,11 +248,11 @@ class SizeBench:
             for r in range(a.reps + 1):  # a set comes round again only after the pool has evicted it
                 keys = self.sets[r % len(self.sets)]
                 paths = [page_path(self.root, self.ns, k) for k in keys]
-                raw_io(ex, paths, slots, IO_THREADS, False)  # warm, as the daemon's files are (just written)
-                r1, rn = raw_io(ex, paths, slots, 1, False), raw_io(ex, paths, slots, IO_THREADS, False)
+                raw_io(ex, paths, slots, max(RAW_THREADS), False)  # warm, as the daemon's files are
+                raw = {f"preadv{t}": raw_io(ex, paths, slots, t, False) for t in RAW_THREADS}
                 t0 = now()
                 got = c.wait(c.prefetch(keys), timeout=60)
-                self.keep(r, prefetch=now() - t0, preadv1=r1, preadvN=rn)
+                self.keep(r, prefetch=now() - t0, **raw)
                 if got != n:
                     raise RuntimeError(f"prefetch brought {got} of {n} pages")
             self.fill_pool(c, d, "warm-wt")
@@ -370,13 +368,14 @@ def main() -> int:
     print(f"hicached bench_core: python {platform.python_version()}, {cpus} CPUs")
     print(f"work dir {work} ({fs_type(work)}), for the daemon's files and the raw files alike")
     print(
-        f"daemon: pool {a.pool_bytes >> 20} MiB, slabs of 32 MiB, file backend with io_threads={IO_THREADS}"
+        f"daemon: pool {a.pool_bytes >> 20} MiB, slabs of 32 MiB, file backend with its default io_threads "
+        f"({default_io_threads()} here)"
     )
     rows: list[Row] = []
     tail: list[Row] = []
     try:
         (work / "data").mkdir()
-        with ThreadPoolExecutor(IO_THREADS) as ex:
+        with ThreadPoolExecutor(max(RAW_THREADS)) as ex:
             for p in a.sizes:
                 SizeBench(p, a, work, ex).run(rows, tail)
         print_table(rows + tail)

@@ -168,7 +168,8 @@ def validate(cfg: Config) -> None:
     _positive(st.retry, "storage.retry", "attempts", "max")
     if not 0.0 <= st.retry.jitter <= 1.0:
         raise ConfigError("storage.retry.jitter", "must be between 0 and 1")
-    _positive(st.file, "storage.file", "io_threads")
+    if st.file.io_threads < 0:
+        raise ConfigError("storage.file.io_threads", "must be 0 (automatic) or a positive number of threads")
     _positive(st.file, "storage.file", "janitor_interval")
     if not 0 <= st.file.write_nice <= 19:
         raise ConfigError("storage.file.write_nice", "must be between 0 and 19")

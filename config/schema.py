@@ -67,7 +67,9 @@ class PrefetchConfig:
 @dataclass
 class FileConfig:
     root: Path = "data"
-    io_threads: int = 8
+    # Threads for page reads, and as many for writes. 0: twice the CPUs the daemon may run on, at most 8;
+    # pages in the page cache make the I/O CPU-bound, and threads beyond that only contend for the GIL.
+    io_threads: int = 0
     # Added to the CPU niceness of the threads that write pages (backups, 0..19; 0: same as the daemon).
     # Backups are background work: under CPU contention they yield to engines and to reads.
     write_nice: int = 10

@@ -48,6 +48,11 @@ _TOUCH_AFTER_S = 60.0
 # Temporary files older than this are left by a crash (a write takes milliseconds) and are removed.
 
 
+def default_io_threads() -> int:
+    """storage.file.io_threads = 0: twice the CPUs this process may run on, at most 8."""
+    return min(8, 2 * len(os.sched_getaffinity(0)))
+
+
 def _lower_priority(increment: int) -> None:
     """Thread initializer: raises this thread's niceness by `increment` (on Linux each thread has its own)."""
     if increment:
@@ -113,13 +118,13 @@ class FileConnector(Connector):
         fc = cfg.storage.file
         self.root = resolve_path(cfg, fc.root)
         self._fsync = fc.fsync
-        self._threads = fc.io_threads
+        self._threads = fc.io_threads or default_io_threads()
         self._timeout = cfg.storage.operation_timeout
-        self._executor = ThreadPoolExecutor(max_workers=fc.io_threads, thread_name_prefix="hicached-file")
+        self._executor = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="hicached-file")
         # Backups write on threads of their own, at a lower CPU priority (storage.file.write_nice), so that
         # on a busy node they take the CPU that engines and prefetch reads leave over.
         self._write_executor = ThreadPoolExecutor(
-            max_workers=fc.io_threads,
+            max_workers=self._threads,
             thread_name_prefix="hicached-file-w",
             initializer=_lower_priority,
             initargs=(fc.write_nice,),
