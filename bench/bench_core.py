@@ -27,8 +27,10 @@ from pathlib import Path
 import benchlib
 import msgpack
 import numpy as np
+import uvloop
 
-from connectors.file import default_io_threads
+import config
+from connectors.file import FileConnector, default_io_threads
 from connectors.header import HEADER_SIZE
 from hicached.client import Client
 
@@ -115,6 +117,31 @@ def raw_io(
     return now() - t0
 
 
+class ConnectorAlone:
+    """The file connector by itself: put / get_into of a whole set on its own threads, no daemon, index or
+    protocol. Between raw and the daemon, it tells what the page format costs (checksum, temporary name and
+    rename) from what the daemon adds."""
+
+    def __init__(self, root: Path) -> None:
+        cfg = config.from_dict({"storage": {"backend": "file", "file": {"root": str(root)}}})
+        self.loop = uvloop.new_event_loop()
+        self.conn = FileConnector(cfg)
+        self.loop.run_until_complete(self.conn.start())
+
+    def time(self, write: bool, ns: str, keys: list[str], slots: list[np.ndarray]) -> float:
+        call = self.conn.put if write else self.conn.get_into
+        t0 = now()
+        ok = self.loop.run_until_complete(call(ns, keys, [memoryview(s) for s in slots]))
+        t = now() - t0
+        if not all(ok):
+            raise RuntimeError(f"the file connector failed {ok.count(False)} pages")
+        return t
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.conn.close())
+        self.loop.close()
+
+
 class Daemon(benchlib.Daemon):
     def __init__(self, work: Path, pool_bytes: int, policy: str) -> None:
         text = CONFIG.format(pool_mib=pool_bytes // MiB, policy=policy)
@@ -149,6 +176,7 @@ class SizeBench:
         self.slots = [self.raw[i * p : (i + 1) * p] for i in range(self.n)]
         self.t: dict[str, list[float]] = collections.defaultdict(list)
         self.sets: list[list[str]] = []  # pages that the write-back phase left in files, for prefetch
+        self.alone = ConnectorAlone(self.root)
         self.cold = 0.0
 
     def keep(self, r: int, **times: float) -> None:
@@ -191,8 +219,11 @@ class SizeBench:
 
     def run(self, rows: list[Row], tail: list[Row]) -> None:
         print(f"\n== pages of {self.label}: {self.n} pages ({self.nbytes >> 20} MiB) per repetition")
-        self.write_back_phase(tail)
-        self.write_through_phase()
+        try:
+            self.write_back_phase(tail)
+            self.write_through_phase()
+        finally:
+            self.alone.close()
         for keys in self.sets:
             drop_files(self.root, self.ns, keys)
         w = max((f"pwrite{t}" for t in RAW_THREADS), key=self.gbps)
@@ -208,8 +239,10 @@ class SizeBench:
             (f"store {lb} (write-through)", g("store_wt"), g("memcpy_wt"), "GB/s", ">=0.8"),
             (f"store {lb}, first pass over the pool", self.cold, g("memcpy"), "GB/s", ""),
             (f"backup {lb} L2 -> file (flush only)", g("backup"), g(w), "GB/s", ">=0.8"),
+            ("  the file connector's put alone", g("alone_put"), g(w), "GB/s", ""),
             (f"store + backup {lb} (write-through)", g("total_wt"), g("memcpy", w), "GB/s", ""),
             (f"prefetch {lb} file -> L2 (warm)", g("prefetch"), g(r), "GB/s", ">=0.8"),
+            ("  the file connector's get_into alone", g("alone_get"), g(r), "GB/s", ""),
             (f"load {lb} L2 -> client buffer", g("load"), g("load_raw"), "GB/s", ""),
         ]
 
@@ -225,6 +258,9 @@ class SizeBench:
                 d.flush()
                 tb = now() - t0
                 raw = {f"pwrite{t}": self.raw_write(t) for t in RAW_THREADS}
+                alone = page_keys(f"{self.ns}/alone{r}", self.n)
+                raw["alone_put"] = self.alone.time(True, self.ns, alone, slots)
+                drop_files(self.root, self.ns, alone)
                 self.keep(r, store=ts, backup=tb, memcpy=self.memcpy(), mv=self.mv_assign(), **raw)
                 self.sets.append(keys)
                 if len(self.sets) > a.pool_bytes // self.nbytes + 1:  # enough to cycle prefetch through
@@ -250,6 +286,7 @@ class SizeBench:
                 paths = [page_path(self.root, self.ns, k) for k in keys]
                 raw_io(ex, paths, slots, max(RAW_THREADS), False)  # warm, as the daemon's files are
                 raw = {f"preadv{t}": raw_io(ex, paths, slots, t, False) for t in RAW_THREADS}
+                raw["alone_get"] = self.alone.time(False, self.ns, keys, slots)
                 t0 = now()
                 got = c.wait(c.prefetch(keys), timeout=60)
                 self.keep(r, prefetch=now() - t0, **raw)

@@ -35,7 +35,12 @@ def checksum(payload: memoryview | bytes) -> int:
 
 def encode(namespace: str, key: str, payload: memoryview | bytes) -> bytes:
     """The header for `payload` stored under (namespace, key)."""
-    return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, len(payload), checksum(payload), key_tag(namespace, key))
+    return pack(namespace, key, len(payload), checksum(payload))
+
+
+def pack(namespace: str, key: str, payload_len: int, digest: int) -> bytes:
+    """The header for a payload of `payload_len` bytes whose checksum is `digest` (computed by the caller)."""
+    return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, payload_len, digest, key_tag(namespace, key))
 
 
 def parse(header: memoryview | bytes, namespace: str, key: str, expected_len: int) -> int:
