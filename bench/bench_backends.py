@@ -104,7 +104,9 @@ class RawRedis:
             if not all(await pipe.execute()):
                 raise RuntimeError("raw SET refused")
 
-        return await batch_workers(keys, STORAGE.backup_concurrency, STORAGE.backup_batch_pages, job)
+        return await batch_workers(
+            keys, STORAGE.backup_concurrency, STORAGE.backup_batch(len(values[0])), job
+        )
 
     async def get(self, keys: Sequence[str], size: int) -> float:
         async def job(idx: list[int]) -> None:
@@ -114,7 +116,7 @@ class RawRedis:
             if any(v is None or len(v) != size for v in await pipe.execute()):
                 raise RuntimeError("raw GET missed a value")
 
-        return await batch_workers(keys, STORAGE.prefetch_concurrency, STORAGE.prefetch_batch_pages, job)
+        return await batch_workers(keys, STORAGE.prefetch_concurrency, STORAGE.prefetch_batch(size), job)
 
     async def delete(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), 256):
@@ -161,7 +163,9 @@ class RawS3:
         async def job(idx: list[int]) -> None:
             await self._each(idx, one)
 
-        return await batch_workers(keys, STORAGE.backup_concurrency, STORAGE.backup_batch_pages, job)
+        return await batch_workers(
+            keys, STORAGE.backup_concurrency, STORAGE.backup_batch(len(values[0])), job
+        )
 
     async def get(self, keys: Sequence[str], size: int) -> float:
         async def one(i: int) -> None:
@@ -173,7 +177,7 @@ class RawS3:
         async def job(idx: list[int]) -> None:
             await self._each(idx, one)
 
-        return await batch_workers(keys, STORAGE.prefetch_concurrency, STORAGE.prefetch_batch_pages, job)
+        return await batch_workers(keys, STORAGE.prefetch_concurrency, STORAGE.prefetch_batch(size), job)
 
     async def delete(self, keys: Sequence[str]) -> None:
         async def one(i: int) -> None:
@@ -322,8 +326,8 @@ class Warmup:
         self.ns = ns
         # Enough pages for every worker to run a full batch at once.
         n = max(
-            STORAGE.backup_concurrency * STORAGE.backup_batch_pages,
-            STORAGE.prefetch_concurrency * STORAGE.prefetch_batch_pages,
+            STORAGE.backup_concurrency * STORAGE.backup_batch(self.PAGE),
+            STORAGE.prefetch_concurrency * STORAGE.prefetch_batch(self.PAGE),
         )
         self.keys = page_keys(ns, n)
 
@@ -377,9 +381,11 @@ def main() -> int:
     started = now()
     print(f"hicached bench_backends: python {platform.python_version()}, {len(os.sched_getaffinity(0))} CPUs")
     print(
-        f"same concurrency both sides: backup {STORAGE.backup_concurrency} workers x "
-        f"{STORAGE.backup_batch_pages} pages, prefetch {STORAGE.prefetch_concurrency} workers x "
-        f"{STORAGE.prefetch_batch_pages} pages; connections: redis {REDIS_CONNECTIONS}, s3 {S3_CONNECTIONS}"
+        f"same concurrency both sides: backup {STORAGE.backup_concurrency} workers, prefetch "
+        f"{STORAGE.prefetch_concurrency} workers, each call at most {STORAGE.backup_batch_pages} / "
+        f"{STORAGE.prefetch_batch_pages} pages and {STORAGE.backup_batch_bytes >> 20} / "
+        f"{STORAGE.prefetch_batch_bytes >> 20} MiB; connections: redis {REDIS_CONNECTIONS}, "
+        f"s3 {S3_CONNECTIONS}"
     )
     rows: list[Row] = []
     try:

@@ -161,8 +161,17 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= p.max_pinned_fraction <= 1.0:
         raise ConfigError("pool.max_pinned_fraction", "must be between 0 and 1")
     st = cfg.storage
-    _positive(st, "storage", "backup_concurrency", "backup_batch_pages", "backup_queue_pages")
-    _positive(st, "storage", "prefetch_concurrency", "prefetch_batch_pages", "prefetch_queue_pages")
+    _positive(
+        st, "storage", "backup_concurrency", "backup_batch_pages", "backup_batch_bytes", "backup_queue_pages"
+    )
+    _positive(
+        st,
+        "storage",
+        "prefetch_concurrency",
+        "prefetch_batch_pages",
+        "prefetch_batch_bytes",
+        "prefetch_queue_pages",
+    )
     _positive(st, "storage", "operation_timeout", "drain_timeout")
     _positive(st.breaker, "storage.breaker", "failures", "probe_interval", "probe_max_interval")
     _positive(st.retry, "storage.retry", "attempts", "max")

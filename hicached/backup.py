@@ -31,6 +31,7 @@ class Backup:
         counters: collections.Counter[str],
         concurrency: int,
         batch_pages: int,
+        batch_bytes: int,
         queue_pages: int,
         backoff: Backoff,
     ) -> None:
@@ -40,6 +41,7 @@ class Backup:
         self.counters = counters
         self.concurrency = concurrency
         self.batch_pages = batch_pages
+        self.batch_bytes = batch_bytes
         self.queue_pages = queue_pages
         self.backoff = backoff
         self._queue: collections.deque[Entry] = collections.deque()
@@ -102,7 +104,15 @@ class Backup:
                 self._workers.remove(me)
                 self._wakeup.set()  # pass the news on to the next extra worker
                 return
-            batch = [self._queue.popleft() for _ in range(min(self.batch_pages, len(self._queue)))]
+            batch = [self._queue.popleft()]
+            nbytes = batch[0].size
+            while (
+                self._queue
+                and len(batch) < self.batch_pages
+                and nbytes + self._queue[0].size <= self.batch_bytes
+            ):
+                batch.append(self._queue.popleft())
+                nbytes += batch[-1].size
             self.inflight += len(batch)
             try:
                 for ns, group in groupby(sorted(batch, key=lambda e: e.ns), key=lambda e: e.ns):

@@ -272,11 +272,16 @@ class Daemon:
         self.tiers.backend.cfg = cfg
         st = cfg.storage
         b = self.tiers.backup
-        b.batch_pages, b.queue_pages = st.backup_batch_pages, st.backup_queue_pages
+        b.batch_pages, b.batch_bytes, b.queue_pages = (
+            st.backup_batch_pages,
+            st.backup_batch_bytes,
+            st.backup_queue_pages,
+        )
         b.backoff = b.backoff.from_config(st.retry)
         b.resize(st.backup_concurrency)
         pf = self.tiers.prefetcher
-        pf.batch_pages, pf.queue_pages = st.prefetch_batch_pages, st.prefetch_queue_pages
+        pf.batch_pages, pf.batch_bytes = st.prefetch_batch_pages, st.prefetch_batch_bytes
+        pf.queue_pages = st.prefetch_queue_pages
         pf.resize(st.prefetch_concurrency)
         self.tiers.set_policy(was_write_back)
         logging.getLogger().setLevel(cfg.logging.level.upper())

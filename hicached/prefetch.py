@@ -12,6 +12,7 @@ import collections
 import itertools
 import logging
 
+from config.schema import batch_size
 from connectors.base import BackendError
 
 from .backend import Backend
@@ -37,6 +38,7 @@ class Prefetcher:
         counters: collections.Counter[str],
         concurrency: int,
         batch_pages: int,
+        batch_bytes: int,
         queue_pages: int,
         quarantine: float,
     ) -> None:
@@ -46,6 +48,7 @@ class Prefetcher:
         self.counters = counters
         self.concurrency = concurrency
         self.batch_pages = batch_pages
+        self.batch_bytes = batch_bytes
         self.queue_pages = queue_pages
         self.quarantine = quarantine
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
@@ -100,8 +103,9 @@ class Prefetcher:
             req = _Request()
             self.pending += len(new)
             loop = asyncio.get_running_loop()
-            for i in range(0, len(new), self.batch_pages):
-                batch = new[i : i + self.batch_pages]
+            step = batch_size(self.batch_pages, self.batch_bytes, page_bytes)
+            for i in range(0, len(new), step):
+                batch = new[i : i + step]
                 done = loop.create_future()  # one per batch, done when its read ends: who waits for a
                 for _, entry in batch:  # page waits for its batch (a future per page cost ~1 us a page)
                     entry.fill = done

@@ -79,6 +79,7 @@ class Tiers:
             self.counters,
             st.backup_concurrency,
             st.backup_batch_pages,
+            st.backup_batch_bytes,
             st.backup_queue_pages,
             Backoff.from_config(st.retry),
         )
@@ -89,6 +90,7 @@ class Tiers:
             self.counters,
             st.prefetch_concurrency,
             st.prefetch_batch_pages,
+            st.prefetch_batch_bytes,
             st.prefetch_queue_pages,
             max(10.0, 3 * st.operation_timeout),
         )
@@ -444,15 +446,23 @@ class Tiers:
 
     async def _writeback_loop(self) -> None:
         mark = self.cfg.pool.writeback_low_watermark
-        step = self.cfg.storage.backup_batch_pages * self.cfg.storage.backup_concurrency
         while True:
             await self._pressure.wait()
             self._pressure.clear()
             if self.connector is None:
                 continue
             while self.index.dirty and self.index.reclaimable_fraction() < mark or self._no_room():
-                for entry in list(itertools.islice(self.index.dirty.values(), step)):
+                # A round: as much as the backup workers write at once, then look again.
+                st = self.cfg.storage
+                pages, budget = (
+                    st.backup_batch_pages * st.backup_concurrency,
+                    st.backup_batch_bytes * st.backup_concurrency,
+                )
+                for entry in list(itertools.islice(self.index.dirty.values(), pages)):
                     self.backup.submit(entry)
+                    budget -= entry.size
+                    if budget <= 0:
+                        break
                 await self.backup.drain(self.cfg.storage.operation_timeout)
                 if not self.index.dirty:
                     break

@@ -214,6 +214,50 @@ async def test_concurrent_prefetches_of_one_key_are_merged(tmp_path):
         await close_tiers(t)
 
 
+class CountingFile(FileConnector):
+    """The real file connector, recording how many pages each call carried."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.calls: list[tuple[str, int]] = []
+
+    async def put(self, namespace, keys, payloads):
+        self.calls.append(("put", len(keys)))
+        return await super().put(namespace, keys, payloads)
+
+    async def get_into(self, namespace, keys, buffers):
+        self.calls.append(("get", len(keys)))
+        return await super().get_into(namespace, keys, buffers)
+
+
+@pytest.mark.parametrize(
+    "storage, pages_per_call",
+    [
+        ({"backup_batch_pages": 5, "prefetch_batch_pages": 5}, 5),  # the page cap binds
+        ({"backup_batch_bytes": 3 * PAGE, "prefetch_batch_bytes": 3 * PAGE}, 3),  # the byte cap binds
+        ({"backup_batch_bytes": PAGE // 2, "prefetch_batch_bytes": PAGE // 2}, 1),  # never less than a page
+    ],
+)
+async def test_calls_carry_at_most_batch_pages_and_batch_bytes(tmp_path, storage, pages_per_call):
+    cfg = cfg_for(tmp_path, backup_concurrency=1, **storage)
+    conn = CountingFile(cfg)
+    await conn.start()
+    t = await make_tiers(tmp_path, connector=conn, backup_concurrency=1, **storage)
+    try:
+        s = session(t)
+        keys = [f"b{i}" for i in range(20)]
+        write(t, s, keys)
+        assert await t.backup.drain(10)
+        for k in keys:
+            t.index.remove(t.index.get("ns1", k))
+        assert await t.wait(s, t.prefetch(s, keys, 0), 10) == 20
+        for op in ("put", "get"):
+            sizes = [n for what, n in conn.calls if what == op]
+            assert sum(sizes) == 20 and max(sizes) == pages_per_call, (op, sizes)
+    finally:
+        await close_tiers(t)
+
+
 async def test_closing_a_session_releases_everything(tmp_path):
     t = await make_tiers(tmp_path)
     try:
