@@ -180,6 +180,8 @@ def validate(cfg: Config) -> None:
     if st.file.io_threads < 0:
         raise ConfigError("storage.file.io_threads", "must be 0 (automatic) or a positive number of threads")
     _positive(st.file, "storage.file", "janitor_interval")
+    if st.backup_concurrency_busy < 0:
+        raise ConfigError("storage.backup_concurrency_busy", "must be 0 (no limit) or a number of calls")
     if not 0 <= st.file.write_nice <= 19:
         raise ConfigError("storage.file.write_nice", "must be between 0 and 19")
     if not 0.0 < st.file.low_watermark < 1.0:

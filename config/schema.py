@@ -132,6 +132,10 @@ class StorageConfig:
     # fit in *_batch_bytes (at least one). Bigger calls cost less per page; the byte cap keeps a call of big
     # pages within operation_timeout. 256 KiB pages go 64 to a call, 2 MiB pages 16, 16 MiB pages 2.
     backup_concurrency: int = 4
+    # Write-through backup calls in flight while engines are busy (a request in the last 10 ms); 0: no
+    # limit. Backups are background work: on a node short of CPUs their I/O threads would otherwise take
+    # the CPU and the GIL from the event loop that answers the engines. Idle, they run backup_concurrency.
+    backup_concurrency_busy: int = 1
     backup_batch_pages: int = 64
     backup_batch_bytes: Size = 32 * MiB
     backup_queue_pages: int = 65536

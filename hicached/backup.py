@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from itertools import groupby
 
 from connectors.base import BackendError
@@ -20,6 +21,8 @@ from .pool import Pool
 from .retry import Backoff
 
 log = logging.getLogger("hicached.backup")
+
+_BUSY_POLL_S = 0.002  # how often a worker held back by busy engines looks again
 
 
 class Backup:
@@ -49,6 +52,10 @@ class Backup:
         self._idle = asyncio.Event()
         self._idle.set()
         self.inflight = 0
+        self.calls = 0  # backend calls in flight
+        # Calls allowed in flight right now (0: no limit besides concurrency); Tiers lowers it while engines
+        # are busy, so that background writes leave them the CPU.
+        self.allowed: Callable[[], int] = lambda: 0
         self._workers: list[asyncio.Task[None]] = []
 
     @property
@@ -104,6 +111,10 @@ class Backup:
                 self._workers.remove(me)
                 self._wakeup.set()  # pass the news on to the next extra worker
                 return
+            allowed = self.allowed()
+            if allowed and self.calls >= allowed:
+                await asyncio.sleep(_BUSY_POLL_S)
+                continue
             batch = [self._queue.popleft()]
             nbytes = batch[0].size
             while (
@@ -114,6 +125,7 @@ class Backup:
                 batch.append(self._queue.popleft())
                 nbytes += batch[-1].size
             self.inflight += len(batch)
+            self.calls += 1
             try:
                 for ns, group in groupby(sorted(batch, key=lambda e: e.ns), key=lambda e: e.ns):
                     await self._write(ns, list(group))
@@ -126,6 +138,7 @@ class Backup:
                     self.index.update(e)
             finally:
                 self.inflight -= len(batch)
+                self.calls -= 1
                 if not self._queue and not self.inflight:
                     self._idle.set()
 

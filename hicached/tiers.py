@@ -29,6 +29,8 @@ from .slabs import SlabAllocator, slot_size
 
 log = logging.getLogger("hicached.tiers")
 
+_BUSY_WINDOW_S = 0.01  # engines that stored or loaded within this are busy (see backup_concurrency_busy)
+
 LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
 
 
@@ -97,10 +99,19 @@ class Tiers:
         self._pressure = asyncio.Event()
         self._writeback_task: asyncio.Task[None] | None = None
         self.pinned_bytes = 0
+        self.last_engine_io = 0.0  # time.monotonic() of the last store or load
+        self.backup.allowed = self._backup_calls_allowed
 
     @property
     def connector(self) -> Connector | None:
         return self.backend.current
+
+    def _backup_calls_allowed(self) -> int:
+        """Write-through backups are background work: while engines store or load, they run at most
+        storage.backup_concurrency_busy calls. Write-back writes (memory pressure, flush) are never held."""
+        if self.write_back or time.monotonic() - self.last_engine_io > _BUSY_WINDOW_S:
+            return 0
+        return self.cfg.storage.backup_concurrency_busy
 
     def _removed(self, entry: Entry) -> None:
         if entry.in_l3 and self.cfg.storage.known_in_l3_keys > 0:
@@ -201,6 +212,7 @@ class Tiers:
     # Store: alloc -> engine writes the bytes -> commit.
 
     def alloc(self, s: Session, keys: list[str]) -> tuple[list[int], list[int]]:
+        self.last_engine_io = time.monotonic()
         status, offsets = [], []
         through = self.connector is not None and not self.write_back
         for key in keys:
@@ -309,6 +321,7 @@ class Tiers:
 
     def acquire_ready(self, s: Session, keys: list[str]) -> tuple[int, list[int]]:
         """acquire() for keys that all_ready() just vouched for: nothing to wait on."""
+        self.last_engine_io = time.monotonic()
         entries = [self.index.entries[(s.ns, key)] for key in keys]
         for e in entries:
             self.index.lease(e)
@@ -321,6 +334,7 @@ class Tiers:
     async def acquire(self, s: Session, keys: list[str], fetch: bool) -> tuple[int, list[int]]:
         """Leases the leading pages present in L2 (reading missing ones from L3 first when `fetch`);
         returns a lease id and their offsets."""
+        self.last_engine_io = time.monotonic()
         entries = self._leading_l2(s.ns, keys)
         if fetch and len(entries) < len(keys):
             entries += self.prefetcher.fetch(s.ns, keys[len(entries) :], s.page_bytes, LOAD_PRIORITY)

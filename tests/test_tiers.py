@@ -4,6 +4,7 @@ write-back pressure, prefetch merging, sessions that die holding things."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -255,6 +256,48 @@ async def test_calls_carry_at_most_batch_pages_and_batch_bytes(tmp_path, storage
             sizes = [n for what, n in conn.calls if what == op]
             assert sum(sizes) == 20 and max(sizes) == pages_per_call, (op, sizes)
     finally:
+        await close_tiers(t)
+
+
+class SlowFile(FileConnector):
+    """The real file connector with each put held a little, recording how many run at once."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.running = self.most = 0
+
+    async def put(self, namespace, keys, payloads):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await asyncio.sleep(0.01)
+            return await super().put(namespace, keys, payloads)
+        finally:
+            self.running -= 1
+
+
+@pytest.mark.parametrize("busy", [False, True])
+async def test_write_through_backups_yield_to_busy_engines(tmp_path, busy):
+    storage = {"backup_concurrency": 4, "backup_concurrency_busy": 1, "backup_batch_pages": 2}
+    conn = SlowFile(cfg_for(tmp_path, **storage))
+    await conn.start()
+    t = await make_tiers(tmp_path, connector=conn, **storage)
+
+    async def engines() -> None:  # what stores and loads do to the clock the backups watch
+        while True:
+            t.last_engine_io = time.monotonic()
+            await asyncio.sleep(0.001)
+
+    traffic = asyncio.create_task(engines()) if busy else None
+    try:
+        s = session(t)
+        write(t, s, [f"y{i}" for i in range(24)])
+        assert await t.backup.drain(10)
+        assert t.counters["backup.pages"] == 24  # held back, never stopped
+        assert conn.most == (1 if busy else 4)
+    finally:
+        if traffic is not None:
+            traffic.cancel()
         await close_tiers(t)
 
 
