@@ -71,6 +71,16 @@ def page_path(root: Path, ns: str, key: str) -> str:
     return f"{root}/{ns}/{key[0:2]}/{key[2:4]}/{key}"
 
 
+def uncache(paths: Sequence[str]) -> None:
+    """Drops the files' pages from the page cache (clean pages only), so the next read goes to the device."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def drop_files(root: Path, ns: str, keys: Sequence[str]) -> None:
     """Removes pages the run no longer needs, so dirty page cache stays far below the writeback limits."""
     for k in keys:
@@ -177,6 +187,8 @@ class SizeBench:
         self.t: dict[str, list[float]] = collections.defaultdict(list)
         self.sets: list[list[str]] = []  # pages that the write-back phase left in files, for prefetch
         self.alone = ConnectorAlone(self.root)
+        # Reads from the device as well, where the work dir is on one (tmpfs has no page cache to drop).
+        self.cold_reads = fs_type(work) not in ("tmpfs", "ramfs")
         self.cold = 0.0
 
     def keep(self, r: int, **times: float) -> None:
@@ -245,6 +257,11 @@ class SizeBench:
             ("  the file connector's get_into alone", g("alone_get"), g(r), "GB/s", ""),
             (f"load {lb} L2 -> client buffer", g("load"), g("load_raw"), "GB/s", ""),
         ]
+        if self.cold_reads:
+            rc = max((f"cold_preadv{t}" for t in RAW_THREADS), key=self.gbps)
+            rows.append(
+                (f"prefetch {lb} file -> L2 (cold: from the disk)", g("cold_prefetch"), g(rc), "GB/s", "")
+            )
 
     def write_back_phase(self, tail: list[Row]) -> None:
         """Write-back: a store fills L2 alone, and the flush after it is pure L2 -> file."""
@@ -277,6 +294,14 @@ class SizeBench:
             if self.p == max(a.sizes):
                 tail += exists_latency(c, [k for s in self.sets[-2:] for k in s][-EXISTS_KEYS:], a, self.work)
 
+    def prefetch(self, c: Client, keys: list[str]) -> float:
+        t0 = now()
+        got = c.wait(c.prefetch(keys), timeout=60)
+        t = now() - t0
+        if got != len(keys):
+            raise RuntimeError(f"prefetch brought {got} of {len(keys)} pages")
+        return t
+
     def write_through_phase(self) -> None:
         """A restarted daemon (L2 empty, the pages only in files): prefetch, then write-through stores."""
         a, ex, slots, n = self.a, self.ex, self.slots, self.n
@@ -287,11 +312,18 @@ class SizeBench:
                 raw_io(ex, paths, slots, max(RAW_THREADS), False)  # warm, as the daemon's files are
                 raw = {f"preadv{t}": raw_io(ex, paths, slots, t, False) for t in RAW_THREADS}
                 raw["alone_get"] = self.alone.time(False, self.ns, keys, slots)
-                t0 = now()
-                got = c.wait(c.prefetch(keys), timeout=60)
-                self.keep(r, prefetch=now() - t0, **raw)
-                if got != n:
-                    raise RuntimeError(f"prefetch brought {got} of {n} pages")
+                self.keep(r, prefetch=self.prefetch(c, keys), **raw)
+            if self.cold_reads:  # on a disk: the same, with the files dropped from the page cache first
+                os.sync()  # DONTNEED leaves dirty pages cached
+                for r in range(a.reps + 1):
+                    keys = self.sets[(a.reps + 1 + r) % len(self.sets)]  # the set the pool evicted last
+                    paths = [page_path(self.root, self.ns, k) for k in keys]
+                    raw = {}
+                    for t in RAW_THREADS:
+                        uncache(paths)
+                        raw[f"cold_preadv{t}"] = raw_io(ex, paths, slots, t, False)
+                    uncache(paths)
+                    self.keep(r, cold_prefetch=self.prefetch(c, keys), **raw)
             self.fill_pool(c, d, "warm-wt")
             for r in range(a.reps + 1):
                 keys = page_keys(f"{self.ns}/b{r}", n)
@@ -396,7 +428,7 @@ def main() -> int:
         return 0
     a.sizes = (2 * MiB, 256 * 1024)
     a.rep_bytes, a.reps, a.pool_bytes, a.calls = (
-        (64 * MiB, 3, 256 * MiB, 500) if a.quick else (256 * MiB, 9, 1024 * MiB, 2000)
+        (64 * MiB, 4, 256 * MiB, 500) if a.quick else (256 * MiB, 9, 1024 * MiB, 2000)
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the daemons are stopped
     work = Path(tempfile.mkdtemp(prefix="hicached-bench-", dir=a.dir))
