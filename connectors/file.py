@@ -91,6 +91,13 @@ def _pwritev_all(fd: int, bufs: list[memoryview], offset: int = 0) -> None:
         bufs = _advance(bufs, n)
 
 
+def _pwritev_at(fd: int, bufs: list[memoryview], nbytes: int, offset: int) -> None:
+    """_pwritev_all with one call in the usual case, where the kernel takes all `nbytes` at once."""
+    n = os.pwritev(fd, bufs, offset)
+    if n < nbytes:
+        _pwritev_all(fd, _advance(bufs, n), offset + n)
+
+
 def _preadv_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
     """Reads until `bufs` are full or the file ends; returns the bytes read."""
     start = offset
@@ -277,12 +284,17 @@ class FileConnector(Connector):
         results = [_MISS] * len(keys)
         if keys and valid_namespace(namespace):
             results = await self._batch(self._read_chunk, namespace, keys, views, "get")
-        hits = []
-        for key, result, view in zip(keys, results, views, strict=True):
-            hits.append(result == _HIT)
+        hits = [result == _HIT for result in results]
+        nhits = hits.count(True)
+        self.counters["hits"] += nhits
+        self.counters["bytes_read"] += sum(v.nbytes for v, hit in zip(views, hits, strict=True) if hit)
+        if nhits < len(keys):
+            self._count_misses(namespace, keys, results)
+        return hits
+
+    def _count_misses(self, namespace: str, keys: Sequence[str], results: list[Any]) -> None:
+        for key, result in zip(keys, results, strict=True):
             if result == _HIT:
-                self.counters["hits"] += 1
-                self.counters["bytes_read"] += view.nbytes
                 continue
             self.counters["misses"] += 1
             if isinstance(result, header.CorruptPage):
@@ -290,7 +302,6 @@ class FileConnector(Connector):
             elif isinstance(result, OSError):
                 self.counters[f"errors.{_errname(result)}"] += 1
                 log.warning("file: reading page %s/%s failed (%s); treated as a miss", namespace, key, result)
-        return hits
 
     async def exists(self, namespace: str, keys: Sequence[str]) -> int:
         if not keys or not valid_namespace(namespace):
@@ -401,26 +412,28 @@ class FileConnector(Connector):
             fd = os.open(tmp, _TMP_FLAGS, 0o600)
         try:
             try:
-                if payload.nbytes <= _CHUNK:
-                    _pwritev_all(fd, [memoryview(header.encode(namespace, key, payload)), payload])
+                size = payload.nbytes
+                if size <= _CHUNK:
+                    head = header.encode(namespace, key, payload)
+                    _pwritev_at(fd, [memoryview(head), payload], header.HEADER_SIZE + size, 0)
                 else:
                     # Each chunk is hashed just before it is written, so the kernel copies it out of the CPU
                     # cache; the header, which needs the checksum, goes last. Hashing a 2 MiB page in a
                     # pass of its own reads it from memory twice: ~10 % slower writes.
                     hasher = xxhash.xxh3_64()
-                    for start in range(0, payload.nbytes, _CHUNK):
+                    for start in range(0, size, _CHUNK):
                         part = payload[start : start + _CHUNK]
                         hasher.update(part)
-                        _pwritev_all(fd, [part], header.HEADER_SIZE + start)
-                    head = header.pack(namespace, key, payload.nbytes, hasher.intdigest())
-                    _pwritev_all(fd, [memoryview(head)])
+                        _pwritev_at(fd, [part], part.nbytes, header.HEADER_SIZE + start)
+                    head = header.pack(namespace, key, size, hasher.intdigest())
+                    _pwritev_at(fd, [memoryview(head)], header.HEADER_SIZE, 0)
                 if self._fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
             replaced = self._size_of(final) if self._max_bytes else 0  # a bound wants the estimate right
             os.rename(tmp, final)
-            return header.HEADER_SIZE + payload.nbytes - replaced
+            return header.HEADER_SIZE + size - replaced
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -445,6 +458,7 @@ class FileConnector(Connector):
     def _read_chunk(self, namespace: str, keys, views, stop: threading.Event) -> list[Any]:
         out: list[Any] = []
         absent = False
+        head = memoryview(bytearray(header.HEADER_SIZE))  # one per job: a page's header is parsed at once
         for key, view in zip(keys, views, strict=True):
             if stop.is_set():
                 out.append(_CANCELLED)
@@ -452,7 +466,7 @@ class FileConnector(Connector):
                 out.append(_MISS)
             else:
                 try:
-                    out.append(self._read_one(namespace, key, view))
+                    out.append(self._read_one(namespace, key, view, head))
                 except (FileNotFoundError, NotADirectoryError):  # from the open: no such page
                     absent = True
                     out.append(_MISS)
@@ -462,7 +476,7 @@ class FileConnector(Connector):
             self._check_root()
         return out
 
-    def _read_one(self, namespace: str, key: str, dest: memoryview) -> Any:
+    def _read_one(self, namespace: str, key: str, dest: memoryview, head: memoryview) -> Any:
         path = self._path(namespace, key)
         fd = os.open(path, _READ_FLAGS)
         try:
@@ -471,20 +485,34 @@ class FileConnector(Connector):
             try:
                 # No fstat on the way: a short file shows in what preadv returns, a wrong length in the
                 # header, and bytes past the payload are never read (its checksum covers what is used).
-                head = bytearray(header.HEADER_SIZE)
-                end = min(size, _CHUNK)
-                got = _preadv_all(fd, [memoryview(head), dest[:end]])
-                hasher = xxhash.xxh3_64(dest[:end])
-                while got == header.HEADER_SIZE + end and end < size:
-                    start, end = end, min(size, end + _CHUNK)
-                    got += _preadv_all(fd, [dest[start:end]], header.HEADER_SIZE + start)
-                    hasher.update(dest[start:end])
+                # Every line here runs per page on threads that share the GIL: kept to few calls.
+                if size <= _CHUNK:
+                    got = os.preadv(fd, [head, dest], 0)
+                    if 0 < got < expected:  # a short read: the file may be short, or the kernel stopped
+                        got += _preadv_all(fd, _advance([head, dest], got), got)
+                    actual = xxhash.xxh3_64_intdigest(dest)
+                else:
+                    part = dest[:_CHUNK]
+                    got = os.preadv(fd, [head, part], 0)
+                    if 0 < got < header.HEADER_SIZE + _CHUNK:
+                        got += _preadv_all(fd, _advance([head, part], got), got)
+                    hasher = xxhash.xxh3_64(part)
+                    end = _CHUNK
+                    while got == header.HEADER_SIZE + end and end < size:
+                        start, end = end, min(size, end + _CHUNK)
+                        part = dest[start:end]
+                        n = os.preadv(fd, [part], header.HEADER_SIZE + start)
+                        if 0 < n < end - start:
+                            n += _preadv_all(fd, [part[n:]], header.HEADER_SIZE + start + n)
+                        got += n
+                        hasher.update(part)
+                    actual = hasher.intdigest()
                 if got < header.HEADER_SIZE:
                     raise header.CorruptPage("short", f"file of {got} bytes holds no header")
                 digest = header.parse(head, namespace, key, size)
                 if got != expected:
                     raise header.CorruptPage("length", f"file of {got} bytes, expected {expected}")
-                if hasher.intdigest() != digest:
+                if actual != digest:
                     raise header.CorruptPage("checksum", "payload checksum does not match the header")
                 if self._max_bytes:
                     st = os.fstat(fd)

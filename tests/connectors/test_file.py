@@ -328,7 +328,8 @@ async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path) -> None:
         assert seen == {"write": min(19, base + 7), "read": base}
 
 
-async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("size", [64 * KiB, 256 * KiB + 17, 2 * MiB + 5])  # one chunk, two, several
+async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch, size: int) -> None:
     real_pwritev, real_preadv = os.pwritev, os.preadv
     calls = {"w": 0, "r": 0}
 
@@ -353,12 +354,11 @@ async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "preadv", preadv)
     async with started(tmp_path) as conn:
-        size = 256 * KiB + 17
         assert await conn.put(NS, [key(1)], [page(1, size)]) == [True]
         buf = memoryview(bytearray(size))
         assert await conn.get_into(NS, [key(1)], [buf]) == [True]
         assert buf == page(1, size)
-        assert calls["w"] > 20 and calls["r"] > 20
+        assert calls["w"] >= size // 10_000 and calls["r"] >= size // 10_000  # every call was cut short
 
 
 async def test_write_error_is_a_counted_false_and_leaves_no_temp_file(tmp_path, monkeypatch) -> None:
