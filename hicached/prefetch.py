@@ -77,9 +77,22 @@ class Prefetcher:
             if batch is not None:
                 self._finish(batch, [False] * len(batch))
 
-    def fetch(self, ns: str, keys: list[str], page_bytes: int, priority: int) -> list[Entry]:
+    def request(self) -> _Request:
+        """What fetch() calls for the steps of one request share: where its first missing page is."""
+        return _Request()
+
+    def fetch(
+        self,
+        ns: str,
+        keys: list[str],
+        page_bytes: int,
+        priority: int,
+        req: _Request | None = None,
+        first: int = 0,
+    ) -> list[Entry]:
         """Entries for the leading `keys` that are in L2 or are now being read from L3 (FILLING, with a
-        future). Stops at a key being written by an engine, at a full pool and at the queue bound."""
+        future). Stops at a key being written by an engine, at a full pool and at the queue bound. `req`
+        and `first` (the position of keys[0] in it) let the steps of one request share hole skipping."""
         if self.backend.current is None:
             return []
         out: list[Entry] = []
@@ -95,12 +108,12 @@ class Prefetcher:
                     self.counters["prefetch.no_space"] += len(keys) - pos
                     break
                 self.index.lease(entry)  # held by the fetch until the read ends
-                new.append((pos, entry))
+                new.append((first + pos, entry))
             elif entry.state == WRITING:
                 break
             out.append(entry)
         if new:
-            req = _Request()
+            req = req or _Request()
             self.pending += len(new)
             loop = asyncio.get_running_loop()
             step = batch_size(self.batch_pages, self.batch_bytes, page_bytes)

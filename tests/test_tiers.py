@@ -14,7 +14,7 @@ from connectors.file import FileConnector
 from hicached.errors import HicachedError
 from hicached.pool import Pool
 from hicached.protocol import ALLOC_BUSY, ALLOC_NO_SPACE, ALLOC_PRESENT, ALLOC_WRITE
-from hicached.tiers import Session, Tiers
+from hicached.tiers import PREFETCH_STEP, Session, Tiers
 
 PAGE = 64 * 1024
 
@@ -298,6 +298,53 @@ async def test_write_through_backups_yield_to_busy_engines(tmp_path, busy):
     finally:
         if traffic is not None:
             traffic.cancel()
+        await close_tiers(t)
+
+
+async def _in_l3_only(t, s, keys) -> None:
+    write(t, s, keys)
+    assert await t.backup.drain(10)
+    for k in keys:
+        t.index.remove(t.index.get("ns1", k))
+
+
+async def test_a_long_prefetch_is_placed_step_by_step(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        keys = [f"p{i}" for i in range(PREFETCH_STEP + 36)]
+        await _in_l3_only(t, s, keys)
+        handle = t.prefetch(s, keys, 0)
+        assert len(s.handles[handle].entries) == PREFETCH_STEP  # the first step; the rest on later turns
+        assert await t.wait(s, handle, 10) == len(keys)
+        lease, offsets = t.acquire_ready(s, keys)
+        assert all(bytes(t.pool.view[o : o + PAGE]) == bytes([7]) * PAGE for o in offsets)
+        t.release(s, lease)
+        assert t.index.stats()["leased"] == 0
+    finally:
+        await close_tiers(t)
+
+
+@pytest.mark.parametrize("how", ["best_effort", "close"])
+async def test_a_prefetch_left_while_being_placed_leaks_nothing(tmp_path, how):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        keys = [f"q{i}" for i in range(3 * PREFETCH_STEP // 2)]
+        await _in_l3_only(t, s, keys)
+        handle = t.prefetch(s, keys, 0)
+        if how == "best_effort":
+            assert await t.wait(s, handle, 0) <= PREFETCH_STEP  # answered at once, from what was placed
+        else:
+            t.close_session(s)
+        await asyncio.sleep(0.05)  # the next step runs, sees the handle gone, and stops
+        for _ in range(200):
+            if not t.prefetcher.pending:
+                break
+            await asyncio.sleep(0.01)
+        assert t.index.stats()["leased"] == 0
+        assert t.counters["prefetch.pages"] <= PREFETCH_STEP  # nothing placed after the handle went
+    finally:
         await close_tiers(t)
 
 
