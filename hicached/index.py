@@ -179,19 +179,27 @@ class PageIndex:
         share = self.alloc.fair_share(cls)
         if len(cls.slabs) < share and self._steal_slab(cls, share):
             return self.alloc.alloc(cls)
-        if self._evict_one(cls):
-            return self.alloc.alloc(cls)
+        offset = self._evict_one(cls)
+        if offset is not None:
+            return offset
         if self._steal_slab(cls, share):
             return self.alloc.alloc(cls)
         return None
 
-    def _evict_one(self, cls: SizeClass) -> bool:
+    def _evict_one(self, cls: SizeClass) -> int | None:
+        """Evicts the least recently used page of `cls` and hands its slot over as it is (still counted as
+        used): remove() + free() + alloc() in one step, as it runs for every page a full pool takes in."""
         lru = self._lru.get(cls)
         if not lru:
-            return False
-        self.remove(next(iter(lru.values())))
+            return None
+        k, victim = lru.popitem(last=False)
+        victim.in_lru = False
+        self.evictable_bytes -= cls.slot_bytes
+        del self.entries[k]  # evictable means clean: never in self.dirty
+        self.on_remove(victim)
+        del self._by_offset[victim.offset]
         self.counters["evictions"] += 1
-        return True
+        return victim.offset
 
     def _steal_slab(self, cls: SizeClass, share: int) -> bool:
         """Take a whole slab of evictable pages from the class holding the most slabs above its share."""

@@ -169,16 +169,20 @@ class Prefetcher:
     def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool]) -> None:
         self.pending -= len(batch)
         done = batch[0][1].fill
+        pages = nbytes = 0
         for (_, entry), good in zip(batch, ok, strict=True):
             if good:
                 entry.state = READY
                 entry.in_l3 = True
-                self.counters["prefetch.pages"] += 1
-                self.counters["prefetch.bytes"] += entry.size
+                pages += 1
+                nbytes += entry.size
             else:
-                self.counters["prefetch.misses"] += 1
                 self.index.remove(entry)
             self.index.unlease(entry)
             entry.fill = None
+        self.counters["prefetch.pages"] += pages
+        self.counters["prefetch.bytes"] += nbytes
+        if pages < len(batch):
+            self.counters["prefetch.misses"] += len(batch) - pages
         if done is not None and not done.done():
             done.set_result(None)

@@ -98,7 +98,10 @@ class SlabAllocator:
     def fair_share(self, asking: SizeClass) -> int:
         """Slabs each active class (those holding slabs, and the one asking) is entitled to before it must
         evict its own pages rather than take a slab from another class."""
-        active = sum(1 for c in self.classes.values() if c.slabs and c is not asking) + 1
+        active = 1  # a plain loop: this runs for every page a full pool takes in
+        for c in self.classes.values():
+            if c.slabs and c is not asking:
+                active += 1
         return max(1, self.nslabs // active)
 
     def stats(self) -> dict:
