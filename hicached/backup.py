@@ -165,10 +165,17 @@ class Backup:
                 keys = [e.key for e in todo]
                 views = [self.pool.slot(e.offset, e.size) for e in todo]
                 ok = await self.backend.call("put", lambda c, keys=keys, views=views: c.put(ns, keys, views))
+                failed, nbytes = [], 0
                 for e, good in zip(todo, ok, strict=True):
-                    if good:
-                        self._done(e)
-                todo = [e for e, good in zip(todo, ok, strict=True) if not good]
+                    if good:  # re-filed (evictable now) when _write releases its lease
+                        e.dirty = False
+                        e.in_l3 = True
+                        nbytes += e.size
+                    else:
+                        failed.append(e)
+                self.counters["backup.pages"] += len(todo) - len(failed)
+                self.counters["backup.bytes"] += nbytes
+                todo = failed
             except BackendError as e:
                 last_error = str(e)
                 self.counters[f"backup.errors.{e.reason}"] += 1
@@ -190,10 +197,3 @@ class Backup:
             self.counters["backup.retries"] += 1
             await asyncio.sleep(self.backoff.delay(attempt))
             attempt += 1
-
-    def _done(self, entry: Entry) -> None:
-        entry.dirty = False
-        entry.in_l3 = True
-        self.index.update(entry)
-        self.counters["backup.pages"] += 1
-        self.counters["backup.bytes"] += entry.size
