@@ -98,6 +98,14 @@ def _pwritev_at(fd: int, bufs: list[memoryview], nbytes: int, offset: int) -> No
         _pwritev_all(fd, _advance(bufs, n), offset + n)
 
 
+def _preadv_at(fd: int, bufs: list[memoryview], nbytes: int, offset: int) -> int:
+    """_preadv_all with one call in the usual case, where the kernel fills all `nbytes` at once."""
+    n = os.preadv(fd, bufs, offset)
+    if 0 < n < nbytes:  # stopped short: the file may end here, or the kernel just returned early
+        n += _preadv_all(fd, _advance(bufs, n), offset + n)
+    return n
+
+
 def _preadv_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
     """Reads until `bufs` are full or the file ends; returns the bytes read."""
     start = offset
@@ -487,24 +495,17 @@ class FileConnector(Connector):
                 # header, and bytes past the payload are never read (its checksum covers what is used).
                 # Every line here runs per page on threads that share the GIL: kept to few calls.
                 if size <= _CHUNK:
-                    got = os.preadv(fd, [head, dest], 0)
-                    if 0 < got < expected:  # a short read: the file may be short, or the kernel stopped
-                        got += _preadv_all(fd, _advance([head, dest], got), got)
+                    got = _preadv_at(fd, [head, dest], expected, 0)
                     actual = xxhash.xxh3_64_intdigest(dest)
                 else:
                     part = dest[:_CHUNK]
-                    got = os.preadv(fd, [head, part], 0)
-                    if 0 < got < header.HEADER_SIZE + _CHUNK:
-                        got += _preadv_all(fd, _advance([head, part], got), got)
+                    got = _preadv_at(fd, [head, part], header.HEADER_SIZE + _CHUNK, 0)
                     hasher = xxhash.xxh3_64(part)
                     end = _CHUNK
                     while got == header.HEADER_SIZE + end and end < size:
                         start, end = end, min(size, end + _CHUNK)
                         part = dest[start:end]
-                        n = os.preadv(fd, [part], header.HEADER_SIZE + start)
-                        if 0 < n < end - start:
-                            n += _preadv_all(fd, [part[n:]], header.HEADER_SIZE + start + n)
-                        got += n
+                        got += _preadv_at(fd, [part], end - start, header.HEADER_SIZE + start)
                         hasher.update(part)
                     actual = hasher.intdigest()
                 if got < header.HEADER_SIZE:
@@ -528,13 +529,12 @@ class FileConnector(Connector):
 
     def _remove_if_same(self, path: str, st: os.stat_result) -> None:
         # A put may have renamed a good page over the corrupt one since we opened it: remove what we read.
-        try:
+        # An error means it is gone already, or not ours to remove: the next read decides again.
+        with contextlib.suppress(OSError):
             now = os.stat(path, follow_symlinks=False)
             if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
                 os.unlink(path)
                 self._add_stored(-now.st_size)
-        except OSError:
-            pass  # gone already, or not ours to remove: the next read decides again
 
     @staticmethod
     def _size_of(path: str) -> int:

@@ -11,6 +11,7 @@ import collections
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -400,16 +401,16 @@ class Tiers:
         h.entries += entries
         nxt = start + len(step)
         if len(entries) == len(step) and nxt < len(keys) and req.hole > nxt:
+            loop = asyncio.get_running_loop()
             if h.placed is None:
-                h.placed = asyncio.get_running_loop().create_future()
-            asyncio.get_running_loop().call_soon(self._place_next, s, handle, h, keys, nxt, priority, req)
+                h.placed = loop.create_future()
+            loop.call_soon(self._place_next, h, lambda: self._place(s, handle, h, keys, nxt, priority, req))
         else:
             self._placed(h)
 
-    def _place_next(self, *args: Any) -> None:
-        h: Handle = args[2]
+    def _place_next(self, h: Handle, place: Callable[[], None]) -> None:
         try:
-            self._place(*args)
+            place()
         except Exception:  # a bug: the handle keeps what was placed, and wait() must not hang on the rest
             log.exception("placing the keys of a prefetch failed; it stops at %d pages", len(h.entries))
             self._placed(h)
