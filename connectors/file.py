@@ -30,6 +30,32 @@ from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connec
 
 log = logging.getLogger("hicached.connectors.file")
 
+try:  # the C page I/O (connectors/_pageio.c), built by the install where a C compiler is at hand
+    from . import _pageio
+except ImportError:
+    _pageio = None
+if _pageio is not None and (_pageio.HEADER_SIZE, _pageio.MAGIC, _pageio.VERSION) != (
+    header.HEADER_SIZE,
+    header.MAGIC,
+    header.VERSION,
+):  # built from another version of the sources: its pages would not verify here, so it is not used
+    log.warning("file: connectors._pageio does not match connectors/header.py; reinstall to rebuild it")
+    _pageio = None
+# What its result codes mean (besides 0, done, and an errno): CorruptPage reasons and messages as
+# header.parse words them.
+_NATIVE_CORRUPT = (
+    {
+        _pageio.SHORT: ("short", "file holds no header"),
+        _pageio.MAGIC_BAD: ("magic", "not a hicached page (bad magic)"),
+        _pageio.VERSION_BAD: ("version", "unsupported page format version"),
+        _pageio.LENGTH_BAD: ("length", "file length does not match the page size"),
+        _pageio.KEY_BAD: ("key", "object belongs to another key or namespace"),
+        _pageio.CHECKSUM_BAD: ("checksum", "payload checksum does not match the header"),
+    }
+    if _pageio is not None
+    else {}
+)
+
 _HIT, _MISS, _CANCELLED = "hit", "miss", "cancelled"
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -64,6 +90,13 @@ def _lower_priority(increment: int) -> None:
 
 def _errname(e: OSError) -> str:
     return errno.errorcode.get(e.errno or 0, "EIO")
+
+
+def _native_write_result(code: int) -> str | None:
+    """A write result of connectors._pageio as _write_chunk reports it: None, _CANCELLED or an errno name."""
+    if code == 0:
+        return None
+    return _CANCELLED if code < 0 else errno.errorcode.get(code, "EIO")
 
 
 def _byte_view(buf: Any) -> memoryview:
@@ -142,6 +175,9 @@ class FileConnector(Connector):
             initializer=_lower_priority,
             initargs=(fc.write_nice,),
         )
+        # Page I/O in C, one GIL release per job, where the module was built; else the Python path, which
+        # writes and reads the same files (the tests run both).
+        self._native = _pageio
         self._closed = False
         # Temporary names: a tag drawn once (a restarted daemon must not meet its predecessor's leftovers)
         # and a counter, instead of a getrandom call per page.
@@ -176,6 +212,15 @@ class FileConnector(Connector):
         except OSError as e:
             raise BackendUnavailable(self.name, f"cannot create {self.root}: {e}", _errname(e)) from None
         if self._janitor is None:
+            if self._native is not None:
+                log.info("file: %s, %d io threads, page I/O in C (_pageio)", self.root, self._threads)
+            else:
+                log.warning(
+                    "file: %s, %d io threads, page I/O in Python: connectors._pageio is not built (no C "
+                    "compiler at install?); same files, more CPU per page",
+                    self.root,
+                    self._threads,
+                )
             self._janitor = asyncio.create_task(self._janitor_loop(), name="hicached-file-janitor")
 
     async def close(self) -> None:
@@ -348,7 +393,7 @@ class FileConnector(Connector):
         executor: ThreadPoolExecutor | None = None,
     ) -> list:
         """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES)."""
-        stop = threading.Event()
+        stop = bytearray(1)  # set to 1 to cancel: read by the C page I/O as well as by the Python loops
         n = len(keys)
         jobs = max(1, min(self._threads, n, sum(v.nbytes for v in views) // _JOB_MIN_BYTES))
         parts = [slice(i * n // jobs, (i + 1) * n // jobs) for i in range(jobs)]
@@ -363,7 +408,7 @@ class FileConnector(Connector):
         try:
             done = await self._call(run_all, what=what, executor=executor)
         finally:
-            stop.set()  # after a time-out, workers stop before their next page
+            stop[0] = 1  # after a time-out, workers stop before their next page
         out: list = []
         for part in done:
             if isinstance(part, BaseException):
@@ -391,11 +436,13 @@ class FileConnector(Connector):
             with self._stored_lock:
                 self._stored += nbytes
 
-    def _write_chunk(self, namespace: str, keys, views, stop: threading.Event) -> list[str | None]:
+    def _write_chunk(self, namespace: str, keys, views, stop: bytearray) -> list[str | None]:
+        if self._native is not None:
+            return self._write_chunk_native(namespace, keys, views, stop)
         out: list[str | None] = []
         added = 0
         for key, view in zip(keys, views, strict=True):
-            if stop.is_set():
+            if stop[0]:
                 out.append(_CANCELLED)
             elif not valid_key(key):
                 out.append("invalid_key")
@@ -408,11 +455,46 @@ class FileConnector(Connector):
         self._add_stored(added)
         return out
 
+    def _write_chunk_native(self, namespace: str, keys, views, stop: bytearray) -> list[str | None]:
+        """_write_chunk with connectors._pageio: the pages of the job written with the GIL released once."""
+        out: list[str | None] = ["invalid_key"] * len(keys)
+        todo = [i for i, key in enumerate(keys) if valid_key(key)]
+        retried = False
+        while todo:
+            finals = [self._path(namespace, keys[i]) for i in todo]
+            tmps = [self._tmp_path(final, keys[i]) for final, i in zip(finals, todo, strict=True)]
+            codes, added = self._native.write_pages(
+                namespace,
+                [keys[i] for i in todo],
+                finals,
+                tmps,
+                [views[i] for i in todo],
+                _CHUNK,
+                stop,
+                self._fsync,
+                bool(self._max_bytes),  # a bound wants the estimate right: sizes of files replaced
+            )
+            self._add_stored(added)
+            missing = []
+            for i, final, code in zip(todo, finals, codes, strict=True):
+                out[i] = _native_write_result(code)
+                if code == errno.ENOENT and not retried:  # the first page of a shard
+                    try:
+                        self._make_shard(final[: final.rindex("/")])
+                        missing.append(i)
+                    except OSError as e:
+                        out[i] = _errname(e)
+            todo, retried = missing, True
+        return out
+
+    def _tmp_path(self, final: str, key: str) -> str:
+        return f"{final[: final.rindex('/')]}/.{key}.{self._tmp_tag}{next(self._tmp_seq)}.tmp"
+
     def _write_one(self, namespace: str, key: str, payload: memoryview) -> int:
         """Writes one page; returns by how many bytes the tree grew."""
         final = self._path(namespace, key)
         directory = final[: final.rindex("/")]
-        tmp = f"{directory}/.{key}.{self._tmp_tag}{next(self._tmp_seq)}.tmp"
+        tmp = self._tmp_path(final, key)
         try:
             fd = os.open(tmp, _TMP_FLAGS, 0o600)
         except FileNotFoundError:  # the first page of a shard: existing directories are never re-checked
@@ -463,12 +545,14 @@ class FileConnector(Connector):
         except FileExistsError:  # another thread made it
             pass
 
-    def _read_chunk(self, namespace: str, keys, views, stop: threading.Event) -> list[Any]:
+    def _read_chunk(self, namespace: str, keys, views, stop: bytearray) -> list[Any]:
+        if self._native is not None:
+            return self._read_chunk_native(namespace, keys, views, stop)
         out: list[Any] = []
         absent = False
         head = memoryview(bytearray(header.HEADER_SIZE))  # one per job: a page's header is parsed at once
         for key, view in zip(keys, views, strict=True):
-            if stop.is_set():
+            if stop[0]:
                 out.append(_CANCELLED)
             elif not valid_key(key):
                 out.append(_MISS)
@@ -480,6 +564,38 @@ class FileConnector(Connector):
                     out.append(_MISS)
                 except OSError as e:
                     out.append(e)
+        if absent:  # once per job: a missing page is a miss, a missing root fails the call
+            self._check_root()
+        return out
+
+    def _read_chunk_native(self, namespace: str, keys, views, stop: bytearray) -> list[Any]:
+        """_read_chunk with connectors._pageio: the pages of the job read and verified with the GIL released
+        once; a page that does not verify is removed there, as _read_one does."""
+        out: list[Any] = [_MISS] * len(keys)
+        todo = [i for i, key in enumerate(keys) if valid_key(key)]
+        paths = [self._path(namespace, keys[i]) for i in todo]
+        codes, removed = self._native.read_pages(
+            namespace,
+            [keys[i] for i in todo],
+            paths,
+            [views[i] for i in todo],
+            _CHUNK,
+            stop,
+            _TOUCH_AFTER_S if self._max_bytes else -1.0,
+        )
+        self._add_stored(-removed)
+        absent = False
+        for i, path, code in zip(todo, paths, codes, strict=True):
+            if code == 0:
+                out[i] = _HIT
+            elif code == _pageio.CANCELLED:
+                out[i] = _CANCELLED
+            elif code < 0:
+                out[i] = header.CorruptPage(*_NATIVE_CORRUPT[code])
+            elif code in (errno.ENOENT, errno.ENOTDIR):  # from the open: no such page
+                absent = True
+            else:
+                out[i] = OSError(code, os.strerror(code), path)
         if absent:  # once per job: a missing page is a miss, a missing root fails the call
             self._check_root()
         return out

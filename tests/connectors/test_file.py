@@ -16,10 +16,22 @@ import pytest
 
 import config
 from connectors import BackendUnavailable, build, file_janitor, header
+from connectors import file as file_module
 from connectors.file import FileConnector
 
 NS = "llama-3.1-8b.bf16.p64.tp0of1"
 KiB, MiB = 1024, 1024 * 1024
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def page_io(request, monkeypatch) -> str:
+    """Every test runs on both page I/O paths, which must read and write the same files alike: the C module
+    connectors._pageio and the Python loops it stands in for."""
+    if request.param == "python":
+        monkeypatch.setattr(file_module, "_pageio", None)
+    elif file_module._pageio is None:
+        pytest.skip("connectors._pageio is not built here (no C compiler at install); .ci/run requires it")
+    return request.param
 
 
 def make(tmp_path, **file_cfg) -> FileConnector:
@@ -328,6 +340,9 @@ async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path) -> None:
         assert seen == {"write": min(19, base + 7), "read": base}
 
 
+# The C path's short-transfer loop cannot be reached from here (it calls preadv/pwritev itself): only
+# the Python path is run, with os.preadv/os.pwritev cut short.
+@pytest.mark.parametrize("page_io", ["python"], indirect=True)
 @pytest.mark.parametrize("size", [64 * KiB, 256 * KiB + 17, 2 * MiB + 5])  # one chunk, two, several
 async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch, size: int) -> None:
     real_pwritev, real_preadv = os.pwritev, os.preadv
@@ -361,6 +376,7 @@ async def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch, size:
         assert calls["w"] >= size // 10_000 and calls["r"] >= size // 10_000  # every call was cut short
 
 
+@pytest.mark.parametrize("page_io", ["python"], indirect=True)  # a full disk, from os.pwritev
 async def test_write_error_is_a_counted_false_and_leaves_no_temp_file(tmp_path, monkeypatch) -> None:
     def full(fd, bufs, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -372,6 +388,18 @@ async def test_write_error_is_a_counted_false_and_leaves_no_temp_file(tmp_path, 
         assert no_temp_files(conn)
         monkeypatch.undo()
         assert await conn.exists(NS, [key(1)]) == 0
+
+
+async def test_failed_rename_is_a_counted_false_and_leaves_no_temp_file(tmp_path) -> None:
+    # A directory where the page file should go: the page is written, then its rename fails.
+    async with started(tmp_path) as conn:
+        await conn.put(NS, [key(2)], [page(2, 4 * KiB)])  # makes the namespace's tree
+        os.makedirs(os.path.join(os.path.dirname(path_of(conn, key(1))), key(1), "x"))
+        for size in (4 * KiB, 600 * KiB):  # one chunk; several, the header last
+            assert await conn.put(NS, [key(1), key(3)], [page(1, size), page(3, size)]) == [False, True]
+        assert sum(v for k, v in conn.counters.items() if k.startswith("errors.")) == 2
+        assert no_temp_files(conn)
+        assert await conn.get_into(NS, [key(3)], [memoryview(bytearray(600 * KiB))]) == [True]
 
 
 async def test_file_in_place_of_a_shard_directory(tmp_path) -> None:
@@ -643,3 +671,54 @@ def test_bound_defaults_to_none(tmp_path) -> None:
     assert (default.max_bytes, default.low_watermark, default.janitor_interval) == (0, 0.9, 30.0)
     cfg = config.from_dict({"storage": {"file": {"max_bytes": "2GiB", "janitor_interval": "5s"}}})
     assert (cfg.storage.file.max_bytes, cfg.storage.file.janitor_interval) == (2 << 30, 5.0)
+
+
+@pytest.mark.parametrize("page_io", ["native"], indirect=True)
+@pytest.mark.parametrize("size", [4 * KiB, 256 * KiB, 600 * KiB + 3])
+async def test_both_page_io_paths_write_the_same_bytes_and_read_each_other(tmp_path, monkeypatch, size):
+    keys = [key(i) for i in range(3)]
+    pages = [page(i, size) for i in range(3)]
+    async with started(tmp_path / "c") as native:
+        monkeypatch.setattr(file_module, "_pageio", None)
+        async with started(tmp_path / "py") as python:
+            assert native._native is not None and python._native is None
+            assert await native.put(NS, keys, pages) == [True] * 3
+            assert await python.put(NS, keys, pages) == [True] * 3
+            for k, p in zip(keys, pages, strict=True):
+                with open(path_of(native, k), "rb") as a, open(path_of(python, k), "rb") as b:
+                    data = a.read()
+                    assert data == b.read()
+                header.verify(data[: header.HEADER_SIZE], NS, k, p)
+            # Each reads what the other wrote.
+            for reader, writer in ((native, python), (python, native)):
+                await reader.delete(NS, keys)
+                for k in keys:
+                    os.makedirs(os.path.dirname(path_of(reader, k)), exist_ok=True)
+                    shutil.copyfile(path_of(writer, k), path_of(reader, k))
+                bufs = [memoryview(bytearray(size)) for _ in keys]
+                assert await reader.get_into(NS, keys, bufs) == [True] * 3
+                assert bufs == pages
+
+
+@pytest.mark.parametrize("page_io", ["native"], indirect=True)
+def test_native_page_io_refuses_bad_arguments(tmp_path) -> None:
+    io = file_module._pageio
+    stop = bytearray(1)
+    path = str(tmp_path / "p")
+    with pytest.raises(ValueError):
+        io.read_pages(NS, [key(1)], [path, path], [bytearray(8)], 1024, stop, -1.0)
+    with pytest.raises(TypeError):
+        io.read_pages(NS, (key(1),), [path], [bytearray(8)], 1024, stop, -1.0)
+    with pytest.raises(TypeError):
+        io.read_pages(NS, [1], [path], [bytearray(8)], 1024, stop, -1.0)
+    with pytest.raises(BufferError):  # read into bytes
+        io.read_pages(NS, [key(1)], [path], [b"12345678"], 1024, stop, -1.0)
+    with pytest.raises(ValueError):
+        io.write_pages(NS, [key(1)], [path], [path + ".tmp"], [b"x"], 0, stop, False, False)
+    # A cancelled job touches nothing.
+    stop[0] = 1
+    assert io.write_pages(NS, [key(1)], [path], [path + ".tmp"], [b"x"], 1024, stop, False, False) == (
+        [io.CANCELLED],
+        0,
+    )
+    assert os.listdir(tmp_path) == []
