@@ -23,7 +23,7 @@ import aiofiles.ospath
 import xxhash
 
 from config import Config, resolve_path
-from hicached.keys import valid_key, valid_namespace
+from hicached.keys import all_valid_keys, valid_key, valid_namespace
 
 from . import file_janitor, header
 from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector
@@ -92,6 +92,13 @@ def _errname(e: OSError) -> str:
     return errno.errorcode.get(e.errno or 0, "EIO")
 
 
+def _valid_positions(keys: Sequence[str]) -> Sequence[int]:
+    """Positions of the valid keys (all of them, as a rule: the daemon checked them already)."""
+    if all_valid_keys(keys):
+        return range(len(keys))
+    return [i for i, key in enumerate(keys) if valid_key(key)]
+
+
 def _native_write_result(code: int) -> str | None:
     """A write result of connectors._pageio as _write_chunk reports it: None, _CANCELLED or an errno name."""
     if code == 0:
@@ -100,6 +107,8 @@ def _native_write_result(code: int) -> str | None:
 
 
 def _byte_view(buf: Any) -> memoryview:
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1:  # the daemon's slots: as they are
+        return buf
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
@@ -458,14 +467,15 @@ class FileConnector(Connector):
     def _write_chunk_native(self, namespace: str, keys, views, stop: bytearray) -> list[str | None]:
         """_write_chunk with connectors._pageio: the pages of the job written with the GIL released once."""
         out: list[str | None] = ["invalid_key"] * len(keys)
-        todo = [i for i, key in enumerate(keys) if valid_key(key)]
+        todo = _valid_positions(keys)
         retried = False
         while todo:
-            finals = [self._path(namespace, keys[i]) for i in todo]
-            tmps = [self._tmp_path(final, keys[i]) for final, i in zip(finals, todo, strict=True)]
+            some = [keys[i] for i in todo]
+            finals = [self._path(namespace, key) for key in some]
+            tmps = [self._tmp_path(final, key) for final, key in zip(finals, some, strict=True)]
             codes, added = self._native.write_pages(
                 namespace,
-                [keys[i] for i in todo],
+                some,
                 finals,
                 tmps,
                 [views[i] for i in todo],
@@ -572,13 +582,15 @@ class FileConnector(Connector):
         """_read_chunk with connectors._pageio: the pages of the job read and verified with the GIL released
         once; a page that does not verify is removed there, as _read_one does."""
         out: list[Any] = [_MISS] * len(keys)
-        todo = [i for i, key in enumerate(keys) if valid_key(key)]
-        paths = [self._path(namespace, keys[i]) for i in todo]
+        todo = _valid_positions(keys)
+        if len(todo) < len(keys):
+            keys, views = [keys[i] for i in todo], [views[i] for i in todo]
+        paths = [self._path(namespace, key) for key in keys]
         codes, removed = self._native.read_pages(
             namespace,
-            [keys[i] for i in todo],
+            list(keys),
             paths,
-            [views[i] for i in todo],
+            list(views),
             _CHUNK,
             stop,
             _TOUCH_AFTER_S if self._max_bytes else -1.0,

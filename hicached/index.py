@@ -70,6 +70,7 @@ class PageIndex:
         self.entries: dict[tuple[str, str], Entry] = {}
         self._lru: dict[SizeClass, OrderedDict[tuple[str, str], Entry]] = {}
         self._by_offset: dict[int, Entry] = {}
+        self._classes: dict[int, SizeClass] = {}  # page bytes -> its size class, looked up per page
         # Dirty, ready pages in the order they became dirty: what write-back writes out first.
         self.dirty: OrderedDict[tuple[str, str], Entry] = OrderedDict()
         self.evictable_bytes = 0
@@ -85,7 +86,9 @@ class PageIndex:
 
     def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
         """A new entry with a slot of its own, evicting if needed; None when nothing can be freed."""
-        cls = self.alloc.size_class(slot_size(page_bytes))
+        cls = self._classes.get(page_bytes)
+        if cls is None:
+            cls = self._classes[page_bytes] = self.alloc.size_class(slot_size(page_bytes))
         offset = self.alloc.alloc(cls)
         if offset is None:
             offset = self._reclaim(cls)

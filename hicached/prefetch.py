@@ -154,7 +154,8 @@ class Prefetcher:
 
     async def _read(self, ns: str, entries: list[Entry]) -> list[bool]:
         keys = [e.key for e in entries]
-        views = [self.pool.slot(e.offset, e.size) for e in entries]
+        pool = self.pool.view  # Pool.slot inlined: this runs for every page prefetched
+        views = [pool[e.offset : e.offset + e.size] for e in entries]
         try:
             return await self.backend.call("get", lambda c: c.get_into(ns, keys, views))
         except BackendError as e:

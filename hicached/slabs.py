@@ -34,6 +34,7 @@ class SlabAllocator:
         self.free_slabs = list(range(self.nslabs - 1, -1, -1))
         self.classes: dict[int, SizeClass] = {}
         self._owner: list[SizeClass | None] = [None] * self.nslabs
+        self._active = 0  # classes holding at least one slab, kept as slabs move: fair_share is O(1)
 
     def size_class(self, slot_bytes: int) -> SizeClass:
         cls = self.classes.get(slot_bytes)
@@ -63,6 +64,7 @@ class SlabAllocator:
 
     def _assign(self, slab: int, cls: SizeClass) -> None:
         self._owner[slab] = cls
+        self._active += not cls.slabs
         cls.slabs.add(slab)
         base = slab * self.slab_bytes
         # Pushed in reverse so slots are handed out from the start of the slab.
@@ -91,6 +93,7 @@ class SlabAllocator:
                 raise RuntimeError("slab still has slots in use")
             src.free = keep
             src.slabs.discard(slab)
+            self._active -= not src.slabs
         else:
             self.free_slabs.remove(slab)
         self._assign(slab, to)
@@ -98,11 +101,8 @@ class SlabAllocator:
     def fair_share(self, asking: SizeClass) -> int:
         """Slabs each active class (those holding slabs, and the one asking) is entitled to before it must
         evict its own pages rather than take a slab from another class."""
-        active = 1  # a plain loop: this runs for every page a full pool takes in
-        for c in self.classes.values():
-            if c.slabs and c is not asking:
-                active += 1
-        return max(1, self.nslabs // active)
+        # O(1): this runs for every page a full pool takes in.
+        return max(1, self.nslabs // (self._active + (not asking.slabs)))
 
     def stats(self) -> dict:
         return {

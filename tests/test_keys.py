@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicached.keys import check_keys, check_namespace, page_keys, valid_key, valid_namespace
+from hicached.keys import all_valid_keys, check_keys, check_namespace, page_keys, valid_key, valid_namespace
 
 VECTOR = [
     "baed642339816affb3fe8719792d0e4ce82f12db72b7373d244eaa65445800fe",
@@ -89,3 +89,21 @@ def test_trailing_newline_is_not_a_valid_key_or_namespace():
         check_keys(["ab\ncd"])  # would split into two valid-looking keys when joined
     with pytest.raises(ValueError):
         check_keys(["ok", "é"])
+
+
+@pytest.mark.parametrize(
+    "keys, ok",
+    [
+        ([], True),
+        (["a" * 64, "B_-9", "x" * 128], True),
+        (["a" * 64, "x" * 129], False),
+        (["a" * 64, ""], False),
+        (["ok", "no/pe"], False),
+        (["ab\ncd"], False),
+        (["ok", "é"], False),
+        (["ok", 7], False),
+    ],
+)
+def test_all_valid_keys_agrees_with_valid_key(keys, ok: bool) -> None:
+    assert all_valid_keys(keys) is ok
+    assert all(valid_key(k) for k in keys) is ok

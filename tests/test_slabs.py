@@ -233,3 +233,19 @@ def test_stats() -> None:
     assert s["free_slabs"] == 2
     assert s["classes"][str(16 * KiB)] == {"slabs": 2, "used": 5, "free": 3}
     assert s["classes"][str(32 * KiB)] == {"slabs": 0, "used": 0, "free": 0}
+
+
+def test_fair_share_follows_slabs_moving_between_classes() -> None:
+    a = SlabAllocator(4 * SLAB, SLAB)
+    x = a.size_class(16 * KiB)
+    y = a.size_class(32 * KiB)
+    xs = [a.alloc(x) for _ in range(4)]  # slab 0 of x
+    assert a.fair_share(y) == 2
+    for o in xs:
+        a.free(x, o)
+    a.move_slab(0, y)  # x holds no slab any more: it is not counted, y is counted once
+    assert x.slabs == set() and y.slabs == {0}
+    assert a.fair_share(y) == 4
+    assert a.fair_share(x) == 2
+    a.move_slab(1, x)  # a free slab: both hold one now
+    assert a.fair_share(x) == a.fair_share(y) == 2
