@@ -40,6 +40,10 @@ class _Send(dict):
     yield with a ticket at once. Lets an operation keep the daemon busy while it copies."""
 
 
+class _SendNow(_Send):
+    """A _Send written at once (with whatever the driver held), not at the next wait."""
+
+
 class _Await:
     __slots__ = ("ticket",)
 
@@ -47,8 +51,8 @@ class _Await:
         self.ticket = ticket
 
 
-# A store of at least this many pages is cut into chunks whose allocations are all sent first: the daemon
-# works on the later ones while the client copies the first.
+# A store of at least this many pages is cut into chunks whose allocations are all sent first (in one
+# write): the daemon works on the later ones while the client copies the first.
 _PIPELINE_MIN_PAGES = 16
 _PIPELINE_CHUNKS = 4
 
@@ -144,6 +148,7 @@ class _Ops(RegionOps):
         for lo, hi in bounds:
             allocs.append((yield _Send(op="alloc", keys=keys[lo:hi])))
         result = [False] * n
+        taken: list[int] = []  # indices into keys of the slots allocated to us, in WRITING on the daemon
         commits: list[tuple[list[int], Any]] = []  # (indices into keys, ticket) of commits sent
         done = 0
         try:
@@ -151,22 +156,22 @@ class _Ops(RegionOps):
                 ans = yield _Await(ticket)
                 done += 1
                 status = ans["status"]
+                mine = []
                 for i, st in enumerate(status):
                     result[lo + i] = st == protocol.ALLOC_PRESENT
-                to_write = [lo + i for i, st in enumerate(status) if st == protocol.ALLOC_WRITE]
-                if not to_write:
-                    continue
-                written = [keys[i] for i in to_write]
-                try:
-                    for i in to_write:
-                        np.copyto(self._slot(ans["offsets"][i - lo]), srcs[i])
-                except BaseException:
-                    yield _NoReply(op="abort", keys=written)
-                    raise
-                # Committed while the next chunk is copied; answered below. A page is reported stored
-                # only once the daemon has it, so any connection that asks next sees it.
-                commits.append((to_write, (yield _Send(op="commit", keys=written))))
+                    if st == protocol.ALLOC_WRITE:
+                        mine.append(i)
+                taken += [lo + i for i in mine]  # before any copy: a failed copy gives them all back
+                if done == chunks and len(taken) > len(mine):
+                    # Before the last chunk is copied: the pages so far are committed meanwhile, and
+                    # only the last chunk's commit is left for the client to wait on.
+                    early = taken[: -len(mine) or None]
+                    commits.append((early, (yield _SendNow(op="commit", keys=[keys[i] for i in early]))))
+                for i in mine:
+                    np.copyto(self._slot(ans["offsets"][i]), srcs[lo + i])
         except BaseException:
+            if taken:
+                yield _NoReply(op="abort", keys=[keys[i] for i in taken])
             # Allocations answered after the failure still hold slots: give them back.
             for (lo, _), ticket in zip(bounds[done:], allocs[done:], strict=True):
                 try:
@@ -180,6 +185,12 @@ class _Ops(RegionOps):
                 with contextlib.suppress(HicachedError):
                     yield _Await(ticket)
             raise
+        # At most two commits a call: the pages before the last chunk (sent above, before its copy) and the
+        # last chunk's. A commit per chunk cost a message and a wake-up on each side. A page is reported
+        # stored only once the daemon has it, so any connection that asks next sees it.
+        rest = taken[sum(len(indices) for indices, _ in commits) :]
+        if rest:
+            commits.append((rest, (yield _Send(op="commit", keys=[keys[i] for i in rest]))))
         for indices, ticket in commits:
             ok = (yield _Await(ticket))["ok"]
             for i, good in zip(indices, ok, strict=True):

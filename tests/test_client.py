@@ -150,3 +150,61 @@ def test_client_side_checks():
     with pytest.raises(HicachedError) as e:
         Client("/nonexistent.sock", "ok.ns", PAGE)
     assert e.value.code == "connection"
+
+
+class _FailingCopies:
+    """numpy as hicached.client_ops sees it, with np.copyto failing from the `fail_at`-th call on."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.calls, self.fail_at = 0, fail_at
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    def copyto(self, dst, src) -> None:
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise MemoryError("injected failure in the middle of a store")
+        np.copyto(dst, src)
+
+
+def test_store_failing_half_way_leaves_no_slot_taken(threaded_daemon, monkeypatch):
+    # 40 pages go in 4 chunks whose allocations are sent together; the copy fails in the third chunk.
+    # Nothing is committed: every slot allocated to the call is given back, whichever chunk it is in.
+    import hicached.client_ops as client_ops
+
+    keys = [f"half{i}" for i in range(40)]
+    pages = [os.urandom(PAGE) for _ in keys]
+    with Client(threaded_daemon.server.path, "half.ns", PAGE) as c:
+        assert c.store(keys[:5], pages[:5]) == [True] * 5  # already there: never copied again
+        monkeypatch.setattr(client_ops, "np", _FailingCopies(fail_at=20))
+        with pytest.raises(MemoryError):
+            c.store(keys, pages)
+        monkeypatch.undo()
+        stats = c.stats()
+        assert stats["pool"]["writing"] == 0 and stats["pool"]["pages"] == 5
+        assert c.exists(keys) == 5
+        assert c.store(keys, pages) == [True] * 40
+        assert c.get(keys) == pages
+
+
+async def test_async_store_failing_half_way_leaves_no_slot_taken(tmp_path, monkeypatch):
+    import hicached.client_ops as client_ops
+
+    d = Daemon(daemon_cfg(tmp_path))
+    await d.startup()
+    try:
+        keys = [f"half{i}" for i in range(40)]
+        pages = [os.urandom(PAGE) for _ in keys]
+        async with AsyncClient(d.server.path, "half.ns", PAGE) as c:
+            monkeypatch.setattr(client_ops, "np", _FailingCopies(fail_at=25))
+            with pytest.raises(MemoryError):
+                await c.store(keys, pages)
+            monkeypatch.undo()
+            stats = await c.stats()
+            assert stats["pool"]["writing"] == 0 and stats["pool"]["pages"] == 0
+            assert await c.store(keys, pages) == [True] * 40
+            assert await c.get(keys) == pages
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
