@@ -84,6 +84,10 @@ class Connector(abc.ABC):
     async def close(self) -> None:
         """Release clients and threads. Idempotent."""
 
+    def info(self) -> dict:
+        """What an operator may want to know of how this connector runs (`ctl stats`: backend_info)."""
+        return {}
+
     async def probe(self, timeout: float = 10.0) -> None:
         """Write, read back and delete a probe object; raises BackendError if any step fails."""
         payload = memoryview(b"hicached-probe-" + bytes(range(256)))

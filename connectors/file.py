@@ -246,6 +246,13 @@ class FileConnector(Connector):
             self._write_executor.shutdown(wait=False)
             self._scan_executor.shutdown(wait=False)
 
+    def info(self) -> dict:
+        return {
+            "root": self.root,
+            "io_threads": self._threads,
+            "page_io": "c" if self._native is not None else "python",  # connectors._pageio built or not
+        }
+
     @property
     def stored_bytes(self) -> int:
         """Bytes of the page files under root, headers included: exact after a scan, estimated between."""

@@ -537,6 +537,7 @@ class Tiers:
             "backend": self.backend.name,
             "backend_state": self.backend.state,
             "backend_counters": dict(self.connector.counters) if self.connector else {},
+            "backend_info": self.connector.info() if self.connector else {},
             "latency": {
                 f"{name}.{op}": {"count": h.count, "sum_s": round(h.sum, 6)}
                 for (name, op), h in self.backend.latency.items()

@@ -722,3 +722,9 @@ def test_native_page_io_refuses_bad_arguments(tmp_path) -> None:
         0,
     )
     assert os.listdir(tmp_path) == []
+
+
+async def test_info_says_which_page_io_runs(tmp_path, page_io: str) -> None:
+    async with started(tmp_path, io_threads=3) as conn:
+        expected = "c" if page_io == "native" else "python"
+        assert conn.info() == {"root": conn.root, "io_threads": 3, "page_io": expected}
