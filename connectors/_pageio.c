@@ -253,8 +253,13 @@ static void batch_free(Batch *b) {
     Py_XDECREF(b->keys);
 }
 
-static int batch_init(Batch *b, PyObject *keys, PyObject *paths, PyObject *tmps, PyObject *bufs, int writable) {
+static int batch_init(Batch *b, PyObject *keys, PyObject *paths, PyObject *tmps, PyObject *bufs, int writable,
+                      Py_ssize_t chunk) {
     memset(b, 0, sizeof *b);
+    if (chunk <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chunk must be positive");
+        return -1;
+    }
     if (!PyList_Check(keys) || !PyList_Check(paths) || !PyList_Check(bufs) || (tmps && !PyList_Check(tmps))) {
         PyErr_SetString(PyExc_TypeError, "keys, paths and buffers must be lists");
         return -1;
@@ -303,6 +308,18 @@ static PyObject *results_list(Batch *b) {
     return out;
 }
 
+/* The (results, total) answer of a call, when the batch ran; frees the batch and the stop buffer either way. */
+static PyObject *answer(Batch *b, int ran, int64_t total, Py_buffer *stop) {
+    PyObject *out = NULL;
+    if (ran) {
+        PyObject *results = results_list(b);
+        if (results != NULL) out = Py_BuildValue("(NL)", results, (long long)total);
+    }
+    batch_free(b);
+    PyBuffer_Release(stop);
+    return out;
+}
+
 static int stopped(const Py_buffer *stop) { return stop->len > 0 && ((volatile const char *)stop->buf)[0] != 0; }
 
 PyDoc_STRVAR(read_pages_doc,
@@ -319,26 +336,17 @@ static PyObject *read_pages(PyObject *self, PyObject *args) {
     double touch_after;
     if (!PyArg_ParseTuple(args, "s#OOOny*d", &ns, &ns_len, &keys, &paths, &bufs, &chunk, &stop, &touch_after))
         return NULL;
-    PyObject *out = NULL;
     Batch b;
-    if (chunk <= 0) {
-        PyErr_SetString(PyExc_ValueError, "chunk must be positive");
-        PyBuffer_Release(&stop);
-        return NULL;
-    }
-    if (batch_init(&b, keys, paths, NULL, bufs, 1) == 0) {
-        int64_t removed = 0;
+    int ran = batch_init(&b, keys, paths, NULL, bufs, 1, chunk) == 0;
+    int64_t removed = 0;
+    if (ran) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < b.n; i++)
             b.jobs[i].result = stopped(&stop) ? RESULT_CANCELLED
                                               : read_one(&b.jobs[i], ns, (size_t)ns_len, (size_t)chunk, touch_after, &removed);
         Py_END_ALLOW_THREADS
-        PyObject *results = results_list(&b);
-        if (results != NULL) out = Py_BuildValue("(NL)", results, (long long)removed);
     }
-    batch_free(&b);
-    PyBuffer_Release(&stop);
-    return out;
+    return answer(&b, ran, removed, &stop);
 }
 
 PyDoc_STRVAR(write_pages_doc,
@@ -356,15 +364,10 @@ static PyObject *write_pages(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "s#OOOOny*pp", &ns, &ns_len, &keys, &paths, &tmps, &bufs, &chunk, &stop, &do_fsync,
                           &measure))
         return NULL;
-    PyObject *out = NULL;
     Batch b;
-    if (chunk <= 0) {
-        PyErr_SetString(PyExc_ValueError, "chunk must be positive");
-        PyBuffer_Release(&stop);
-        return NULL;
-    }
-    if (batch_init(&b, keys, paths, tmps, bufs, 0) == 0) {
-        int64_t added = 0;
+    int ran = batch_init(&b, keys, paths, tmps, bufs, 0, chunk) == 0;
+    int64_t added = 0;
+    if (ran) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < b.n; i++) {
             Job *j = &b.jobs[i];
@@ -372,12 +375,8 @@ static PyObject *write_pages(PyObject *self, PyObject *args) {
             if (j->result == 0) added += HEADER_SIZE + (int64_t)j->buf.len - j->replaced;
         }
         Py_END_ALLOW_THREADS
-        PyObject *results = results_list(&b);
-        if (results != NULL) out = Py_BuildValue("(NL)", results, (long long)added);
     }
-    batch_free(&b);
-    PyBuffer_Release(&stop);
-    return out;
+    return answer(&b, ran, added, &stop);
 }
 
 static PyMethodDef methods[] = {
