@@ -89,10 +89,12 @@ class Prefetcher:
         priority: int,
         req: _Request | None = None,
         first: int = 0,
+        lease: bool = False,
     ) -> list[Entry]:
         """Entries for the leading `keys` that are in L2 or are now being read from L3 (FILLING, with a
         future). Stops at a key being written by an engine, at a full pool and at the queue bound. `req`
-        and `first` (the position of keys[0] in it) let the steps of one request share hole skipping."""
+        and `first` (the position of keys[0] in it) let the steps of one request share hole skipping.
+        With `lease`, every entry returned also holds a lease for the caller."""
         if self.backend.current is None:
             return []
         out: list[Entry] = []
@@ -111,6 +113,8 @@ class Prefetcher:
                 new.append((first + pos, entry))
             elif entry.state == WRITING:
                 break
+            if lease:  # at once: an allocation further on must not evict a page this call hands back
+                self.index.lease(entry)
             out.append(entry)
         if new:
             req = req or _Request()

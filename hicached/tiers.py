@@ -341,10 +341,12 @@ class Tiers:
         returns a lease id and their offsets."""
         self.last_engine_io = time.monotonic()
         entries = self._leading_l2(s.ns, keys)
-        if fetch and len(entries) < len(keys):
-            entries += self.prefetcher.fetch(s.ns, keys[len(entries) :], s.page_bytes, LOAD_PRIORITY)
         for e in entries:
             self.index.lease(e)
+        if fetch and len(entries) < len(keys):
+            entries += self.prefetcher.fetch(
+                s.ns, keys[len(entries) :], s.page_bytes, LOAD_PRIORITY, lease=True
+            )
         try:
             await self._settle(entries, self.cfg.server.request_timeout)
         except BaseException:  # the connection went away while we waited: give the leases back
@@ -392,12 +394,12 @@ class Tiers:
             return
         step = keys[start : start + PREFETCH_STEP]
         entries = self._leading_l2(s.ns, step)
-        if len(entries) < len(step):
-            entries += self.prefetcher.fetch(
-                s.ns, step[len(entries) :], s.page_bytes, priority, req, start + len(entries)
-            )
         for e in entries:
             self.index.lease(e)
+        if len(entries) < len(step):
+            entries += self.prefetcher.fetch(
+                s.ns, step[len(entries) :], s.page_bytes, priority, req, start + len(entries), lease=True
+            )
         h.entries += entries
         nxt = start + len(step)
         if len(entries) == len(step) and nxt < len(keys) and req.hole > nxt:

@@ -437,3 +437,31 @@ async def test_wait_policies(tmp_path):
             await t.prefetcher.stop()
         finally:
             await close_tiers(t)
+
+
+@pytest.mark.parametrize("how", ["prefetch", "acquire"])
+async def test_placing_a_missing_page_never_evicts_one_it_hands_back(tmp_path, how: str):
+    # A full pool whose least recently used page is the first one asked for: making room for the missing
+    # page after it must evict another page, not the one the request is about to hold.
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        keys = [f"f{i}" for i in range(128)]  # the whole pool: 8 MiB of 64 KiB pages
+        assert write(t, s, keys) == [True] * 128
+        assert await t.backup.drain(10)
+        for k in keys:  # backups end in any order: used in key order, f0 least recently
+            t.index.touch(t.index.get("ns1", k))
+        assert write(t, s, ["x"]) == [True]  # evicts f0, clean: f0 is in L3 only, f1 is the oldest in L2
+        assert await t.backup.drain(10)
+        assert t.index.get("ns1", "f0") is None
+        asked = ["f1", "f0"]
+        if how == "prefetch":
+            assert await t.wait(s, t.prefetch(s, asked, 0), None) == 2
+        else:
+            lease, offsets = await t.acquire(s, asked, fetch=True)
+            assert len(offsets) == 2
+            t.release(s, lease)
+        assert t.index.get("ns1", "f1") is not None and t.index.get("ns1", "f0") is not None
+        assert t.index.get("ns1", "f2") is None  # the next oldest made the room
+    finally:
+        await close_tiers(t)
