@@ -607,7 +607,7 @@ class FileConnector(Connector):
         for i, path, code in zip(todo, paths, codes, strict=True):
             if code == 0:
                 out[i] = _HIT
-            elif code == _pageio.CANCELLED:
+            elif code == self._native.CANCELLED:
                 out[i] = _CANCELLED
             elif code < 0:
                 out[i] = header.CorruptPage(*_NATIVE_CORRUPT[code])
