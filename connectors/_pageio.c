@@ -75,17 +75,19 @@ static uint64_t get_u64(const uint8_t *p) {
     return v;
 }
 
-static uint64_t key_tag(const char *ns, size_t ns_len, const char *key, size_t key_len) {
-    char small[256];
+/* The key tag, xxh3-64 of "namespace/key", into *tag; 0, or ENOMEM for a name too long for the stack
+   buffer when malloc fails (never a wrong tag: on a read it would remove a good page). */
+static int key_tag(const char *ns, size_t ns_len, const char *key, size_t key_len, uint64_t *tag) {
+    char small[512]; /* namespace (<= 128) + "/" + key (<= 128): enough for every name the daemon accepts */
     size_t n = ns_len + 1 + key_len;
     char *buf = n <= sizeof small ? small : malloc(n);
-    if (buf == NULL) return 0; /* no memory: a tag that matches nothing makes the read a miss */
+    if (buf == NULL) return ENOMEM;
     memcpy(buf, ns, ns_len);
     buf[ns_len] = '/';
     memcpy(buf + ns_len + 1, key, key_len);
-    uint64_t tag = XXH3_64bits(buf, n);
+    *tag = XXH3_64bits(buf, n);
     if (buf != small) free(buf);
-    return tag;
+    return 0;
 }
 
 /* preadv / pwritev until every byte moved, end of file, or an error: bytes moved, or -errno. The usual case
@@ -125,6 +127,9 @@ static int64_t remove_if_same(int fd, const char *path) {
 
 static int read_one(Job *j, const char *ns, size_t ns_len, size_t chunk, double touch_after, int64_t *removed) {
     const char *path = PyBytes_AS_STRING(j->path);
+    uint64_t tag;
+    int err = key_tag(ns, ns_len, j->key, (size_t)j->key_len, &tag);
+    if (err) return err;
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return errno;
     uint8_t head[HEADER_SIZE];
@@ -163,7 +168,7 @@ static int read_one(Job *j, const char *ns, size_t ns_len, size_t chunk, double 
         result = RESULT_VERSION;
     else if (get_u64(head + 8) != size)
         result = RESULT_LENGTH;
-    else if (get_u64(head + 24) != key_tag(ns, ns_len, j->key, (size_t)j->key_len))
+    else if (get_u64(head + 24) != tag)
         result = RESULT_KEY;
     else if ((size_t)got != HEADER_SIZE + size)
         result = RESULT_LENGTH;
@@ -185,6 +190,9 @@ fail:
 
 static int write_one(Job *j, const char *ns, size_t ns_len, size_t chunk, int do_fsync, int measure) {
     const char *tmp = PyBytes_AS_STRING(j->tmp), *final = PyBytes_AS_STRING(j->path);
+    uint64_t tag;
+    int err = key_tag(ns, ns_len, j->key, (size_t)j->key_len, &tag);
+    if (err) return err;
     int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0) return errno;
     const uint8_t *payload = j->buf.buf;
@@ -194,7 +202,7 @@ static int write_one(Job *j, const char *ns, size_t ns_len, size_t chunk, int do
     put_u16(head + 4, FORMAT_VERSION);
     put_u16(head + 6, HEADER_SIZE);
     put_u64(head + 8, size);
-    put_u64(head + 24, key_tag(ns, ns_len, j->key, (size_t)j->key_len));
+    put_u64(head + 24, tag);
     ssize_t r;
     if (size <= chunk) {
         put_u64(head + 16, XXH3_64bits(payload, size));
@@ -230,9 +238,8 @@ static int write_one(Job *j, const char *ns, size_t ns_len, size_t chunk, int do
         if (rename(tmp, final) == 0) return 0;
         r = -errno;
     }
-    int err = (int)-r;
     unlink(tmp);
-    return err;
+    return (int)-r;
 }
 
 /* Arguments shared by both calls, checked and turned into Jobs with the GIL held. */

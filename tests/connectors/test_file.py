@@ -776,3 +776,25 @@ async def test_both_page_io_paths_judge_damaged_files_alike(tmp_path, monkeypatc
     assert [g for g, h in zip(seen[0][1], hits, strict=True) if h] == [
         bytes(p) for p, h in zip(pages, hits, strict=True) if h
     ]
+
+
+async def test_longest_namespace_and_key(tmp_path) -> None:
+    ns, k = "n" * 128, "k" * 128
+    async with started(tmp_path) as conn:
+        assert await conn.put(ns, [k], [page(1, 300 * KiB)]) == [True]
+        buf = memoryview(bytearray(300 * KiB))
+        assert await conn.get_into(ns, [k], [buf]) == [True] and buf == page(1, 300 * KiB)
+
+
+@pytest.mark.parametrize("page_io", ["native"], indirect=True)
+def test_native_page_io_takes_names_longer_than_its_stack_buffer(tmp_path) -> None:
+    # Names past what the daemon accepts still get the right key tag (from a heap buffer).
+    io, stop = file_module._pageio, bytearray(1)
+    ns, k, path = "n" * 1000, "k" * 600, str(tmp_path / "p")
+    data = page(3, 5000)
+    assert io.write_pages(ns, [k], [path], [path + ".tmp"], [data], 1024, stop, False, False)[0] == [0]
+    with open(path, "rb") as f:
+        header.verify(f.read(header.HEADER_SIZE), ns, k, data)
+    buf = bytearray(5000)
+    assert io.read_pages(ns, [k], [path], [buf], 1024, stop, -1.0) == ([0], 0)
+    assert buf == data
