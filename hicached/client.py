@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import protocol
-from .client_ops import Op, _Await, _NoReply, _Ops, _Send, _SendNow
+from .client_ops import Op, _Await, _held, _NoReply, _Ops, _Send
 from .client_regions import SideAttach, shared_buffer, side_attach
 from .errors import CONNECTION, TIMEOUT, HicachedError
 
@@ -195,8 +195,8 @@ class Client:
         return self._run(self._ops.op_load_pages(handle, page_indices, keys))
 
     def _run(self, op: Op) -> Any:
-        # Frames of _Send requests wait here until the operation next blocks or sends something else,
-        # then go in one sendall: a store's allocations cost one system call and one wake-up of the daemon
+        # Frames held (client_ops._held) until the operation next blocks or sends something else, then
+        # sent in one sendall: a store's allocations cost one system call and one wake-up of the daemon
         # instead of one each.
         held: list[bytes] = []
         try:
@@ -232,7 +232,7 @@ class Client:
         return self._collect(rid)
 
     def _send(self, req: dict[str, Any], held: list[bytes]) -> int:
-        """Registers `req` and sends it with the frames held before it; a _Send is held instead."""
+        """Registers `req` and sends it with the frames held before it, or holds it too (_held)."""
         rid = next(self._ids)
         req["id"] = rid
         held.append(protocol.encode(req))
@@ -242,7 +242,7 @@ class Client:
                 raise HicachedError(CONNECTION, self._broken)
             if not isinstance(req, _NoReply):
                 self._waiting.add(rid)
-        if not isinstance(req, _Send) or isinstance(req, _SendNow):
+        if not _held(req):
             self._write(held)
         return rid
 
@@ -436,7 +436,7 @@ class AsyncClient:
         return await self._run(self._ops.op_load_pages(handle, page_indices, keys))
 
     async def _run(self, op: Op) -> Any:
-        held: list[bytes] = []  # frames of _Send requests, written at the next wait or send (see Client._run)
+        held: list[bytes] = []  # frames held (client_ops._held), written at the next wait or send
         try:
             req = next(op)
             while True:
@@ -472,7 +472,7 @@ class AsyncClient:
         if not isinstance(req, _NoReply):
             fut = asyncio.get_running_loop().create_future()
             proto.waiters[rid] = fut
-        if not isinstance(req, _Send) or isinstance(req, _SendNow):
+        if not _held(req):
             proto.transport.write(held[0] if len(held) == 1 else b"".join(held))
             held.clear()
         if isinstance(req, _Send):

@@ -44,6 +44,12 @@ class _SendNow(_Send):
     """A _Send written at once (with whatever the driver held), not at the next wait."""
 
 
+def _held(req: Any) -> bool:
+    """Whether a driver keeps `req`'s frame until the operation next waits or sends something else (a
+    plain _Send): the frames then go in one write, e.g. a store's allocations."""
+    return isinstance(req, _Send) and not isinstance(req, _SendNow)
+
+
 class _Await:
     __slots__ = ("ticket",)
 
