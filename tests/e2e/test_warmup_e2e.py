@@ -51,6 +51,7 @@ def test_warmup_is_bounded_and_survives_a_broken_list(daemon_factory):
     with open(os.path.join(d.workdir, "state", "warm.msgpack"), "wb") as f:
         f.write(b"\x00garbage")
     d.start()
-    assert "ignoring the warm list" in d.log()
+    # The list is read by a background task once the daemon serves: wait for its verdict.
+    wait_for(lambda: "ignoring the warm list" in d.log())
     with Client(d.socket, "bound.ns", PAGE) as c:
         assert c.exists(keys[:10]) == 10  # still serving, from L3
