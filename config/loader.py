@@ -160,6 +160,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("pool.writeback_low_watermark", "must be between 0 and 1")
     if not 0.0 <= p.max_pinned_fraction <= 1.0:
         raise ConfigError("pool.max_pinned_fraction", "must be between 0 and 1")
+    if not 0.0 <= p.reserve_max_fraction <= 1.0:
+        raise ConfigError("pool.reserve_max_fraction", "must be between 0 and 1")
     st = cfg.storage
     _positive(
         st, "storage", "backup_concurrency", "backup_batch_pages", "backup_batch_bytes", "backup_queue_pages"

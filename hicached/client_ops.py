@@ -105,6 +105,11 @@ class _Ops(RegionOps):
         self._pool: np.ndarray | None = None
         self.token = ""
         self.regions: dict[int, Any] = {}
+        # Offsets of slots the daemon set aside for this connection's next stores (its `reserve`), and how
+        # many it lets this connection hold (None: not asked yet). Shared by the threads of one Client.
+        self._reserve_lock = threading.Lock()
+        self._reserved: list[int] = []
+        self._reserve_limit: int | None = None
 
     def _attach(self, welcome: dict[str, Any], fd: int) -> None:
         self.token = welcome.get("token", "")
@@ -121,6 +126,8 @@ class _Ops(RegionOps):
         ).start()
 
     def _detach(self) -> None:
+        with self._reserve_lock:
+            self._reserved.clear()  # the daemon frees a closed connection's reserved slots itself
         self.regions.clear()  # the daemon unregisters a closed connection's regions itself
         self._pool = None
         if self._mm is not None:
@@ -148,47 +155,74 @@ class _Ops(RegionOps):
             return []
         # Every page is checked before anything is sent (a bad one must not cost L2 any page). Pages that
         # are bytes of the right length need no more than that check here: their numpy views (~1 us
-        # each) are made while the daemon answers the allocations.
+        # each) are made while the daemon answers.
         nbytes = self.page_bytes
         srcs: list[Any] = [
             p if type(p) is bytes and len(p) == nbytes else _as_bytes_array(p, nbytes, False, f"page {i}")
             for i, p in enumerate(pages)
         ]
         n = len(keys)
-        chunks = _PIPELINE_CHUNKS if n >= _PIPELINE_MIN_PAGES else 1
-        bounds = [(n * c // chunks, n * (c + 1) // chunks) for c in range(chunks)]
-        allocs = []
-        for c, (lo, hi) in enumerate(bounds):
-            kind = _SendNow if c == chunks - 1 else _Send  # all in one write, sent before the views
-            allocs.append((yield kind(op="alloc", keys=keys[lo:hi])))
+        # The first pages go into slots this connection holds ahead (copied at once, bound to their keys by
+        # `put`); the rest into slots allocated now, in chunks whose allocations go out in one write so that
+        # the daemon answers them while the client copies the pages before.
+        spare = self._take_reserved(n)
+        r = len(spare)
+        m = n - r
+        chunks = 0 if not m else _PIPELINE_CHUNKS if m >= _PIPELINE_MIN_PAGES else 1
+        bounds = [(r + m * c // chunks, r + m * (c + 1) // chunks) for c in range(chunks)]
+        if r:
+            # All from the reserve: the last quarter is a segment of its own, so that the pages before it
+            # are put while it is copied.
+            cut = r - r // _PIPELINE_CHUNKS if not chunks and r >= _PIPELINE_MIN_PAGES else r
+            bounds = [(0, cut), *([(cut, r)] if cut < r else []), *bounds]
+        want = self._refill_wanted(n)
+        reqs: list[dict[str, Any]] = [{"op": "alloc", "keys": keys[lo:hi]} for lo, hi in bounds if lo >= r]
+        if want:
+            reqs.append({"op": "reserve", "n": want})
+        tickets = []
+        for i, req in enumerate(reqs):
+            tickets.append((yield (_SendNow if i == len(reqs) - 1 else _Send)(req)))  # one write
+        refill = tickets.pop() if want else None
+        allocs = iter(tickets)
+        segs = [(lo, hi, None if hi <= r else next(allocs)) for lo, hi in bounds]
         srcs = [np.frombuffer(p, dtype=np.uint8) if type(p) is bytes else p for p in srcs]
         result = [False] * n
-        taken: list[int] = []  # indices into keys of the slots allocated to us, in WRITING on the daemon
-        commits: list[tuple[list[int], Any]] = []  # (indices into keys, ticket) of commits sent
-        done = 0
+        slot: dict[int, int] = dict(enumerate(spare))  # index into keys -> the slot its page goes to
+        taken: list[int] = []  # indices given slots by alloc: WRITING on the daemon until committed
+        sent = 0  # the pages before this index are committed or put (the requests are sent)
+        acks: list[tuple[list[int], Any, bool]] = []  # (indices, ticket, is a put) of requests sent
+        done = 0  # segments whose allocation has been collected
         try:
-            for (lo, _), ticket in zip(bounds, allocs, strict=True):
-                ans = yield _Await(ticket)
-                done += 1
-                status = ans["status"]
-                mine = []
-                for i, st in enumerate(status):
-                    result[lo + i] = st == protocol.ALLOC_PRESENT
-                    if st == protocol.ALLOC_WRITE:
-                        mine.append(i)
-                taken += [lo + i for i in mine]  # before any copy: a failed copy gives them all back
-                if done == chunks and len(taken) > len(mine):
-                    # Before the last chunk is copied: the pages so far are committed meanwhile, and
-                    # only the last chunk's commit is left for the client to wait on.
-                    early = taken[: -len(mine) or None]
-                    commits.append((early, (yield _SendNow(op="commit", keys=[keys[i] for i in early]))))
+            for si, (lo, hi, ticket) in enumerate(segs):
+                done = si + 1
+                if ticket is None:
+                    mine = range(lo, hi)
+                else:
+                    ans = yield _Await(ticket)
+                    mine = []
+                    for j, st in enumerate(ans["status"]):
+                        result[lo + j] = st == protocol.ALLOC_PRESENT
+                        if st == protocol.ALLOC_WRITE:
+                            mine.append(lo + j)
+                            slot[lo + j] = ans["offsets"][j]
+                    taken += mine  # before any copy: a failed copy gives them all back
+                if si == len(segs) - 1 and lo > sent:
+                    # Before the last segment is copied: the pages so far are committed meanwhile, and only
+                    # the last segment's commit is left for the client to wait on.
+                    acks += yield from self._store_acks(keys, spare, range(sent, lo), slot, now=True)
+                    sent = lo
                 for i in mine:
-                    np.copyto(self._slot(ans["offsets"][i]), srcs[lo + i])
+                    np.copyto(self._slot(slot[i]), srcs[i])
+            acks += yield from self._store_acks(keys, spare, range(sent, n), slot, now=False)
+            sent = n
         except BaseException:
             if taken:
                 yield _NoReply(op="abort", keys=[keys[i] for i in taken])
+            self._give_back(spare[sent:])  # reserved slots never put are still this connection's
             # Allocations answered after the failure still hold slots: give them back.
-            for (lo, _), ticket in zip(bounds[done:], allocs[done:], strict=True):
+            for lo, _, ticket in segs[done:]:
+                if ticket is None:
+                    continue
                 try:
                     ans = yield _Await(ticket)
                 except HicachedError:
@@ -196,21 +230,89 @@ class _Ops(RegionOps):
                 held = [keys[lo + i] for i, st in enumerate(ans["status"]) if st == protocol.ALLOC_WRITE]
                 if held:
                     yield _NoReply(op="abort", keys=held)
-            for _, ticket in commits:
+            for indices, ticket, is_put in acks:
                 with contextlib.suppress(HicachedError):
-                    yield _Await(ticket)
+                    ans = yield _Await(ticket)
+                    if is_put:
+                        self._put_done(ans, indices, spare, result)
+            yield from self._collect_refill(refill)
             raise
-        # At most two commits a call: the pages before the last chunk (sent above, before its copy) and the
-        # last chunk's. A commit per chunk cost a message and a wake-up on each side. A page is reported
-        # stored only once the daemon has it, so any connection that asks next sees it.
-        rest = taken[sum(len(indices) for indices, _ in commits) :]
-        if rest:
-            commits.append((rest, (yield _Send(op="commit", keys=[keys[i] for i in rest]))))
-        for indices, ticket in commits:
-            ok = (yield _Await(ticket))["ok"]
-            for i, good in zip(indices, ok, strict=True):
-                result[i] = bool(good)
+        # At most two commits (and two puts) a call: the pages before the last segment (sent above, before
+        # its copy) and the last segment's. A page is reported stored only once the daemon has it, so any
+        # connection that asks next sees it.
+        try:
+            for indices, ticket, is_put in acks:
+                ans = yield _Await(ticket)
+                if is_put:
+                    self._put_done(ans, indices, spare, result)
+                else:
+                    for i, good in zip(indices, ans["ok"], strict=True):
+                        result[i] = bool(good)
+        finally:
+            yield from self._collect_refill(refill)
         return result
+
+    def _store_acks(
+        self, keys: list[str], spare: list[int], indices: range, slot: dict[int, int], now: bool
+    ) -> Generator[Any, Any, list[tuple[list[int], Any, bool]]]:
+        """Sends the commit (slots from alloc) and the put (reserved slots) of the pages at `indices` that
+        were copied; with `now`, written at once. Returns (indices, ticket, is a put) for each."""
+        r = len(spare)
+        put = [i for i in indices if i < r]
+        com = [i for i in indices if i >= r and i in slot]
+        reqs = []
+        if com:
+            reqs.append((com, False, {"op": "commit", "keys": [keys[i] for i in com]}))
+        if put:
+            puts = {"op": "put", "keys": [keys[i] for i in put], "offsets": [spare[i] for i in put]}
+            reqs.append((put, True, puts))
+        out = []
+        for j, (idx, is_put, req) in enumerate(reqs):
+            kind = _SendNow if now and j == len(reqs) - 1 else _Send
+            out.append((idx, (yield kind(req)), is_put))
+        return out
+
+    def _put_done(
+        self, ans: dict[str, Any], indices: list[int], spare: list[int], result: list[bool]
+    ) -> None:
+        back = []
+        for i, st in zip(indices, ans["status"], strict=True):
+            result[i] = st in (protocol.PUT_STORED, protocol.PUT_PRESENT)
+            if st != protocol.PUT_STORED:
+                back.append(spare[i])  # the daemon kept it reserved for us
+        self._give_back(back)
+
+    def _collect_refill(self, refill: Any) -> Generator[Any, Any, None]:
+        if refill is None:
+            return
+        try:
+            ans = yield _Await(refill)
+        except HicachedError:
+            return  # draining, say: the next store allocates instead
+        with self._reserve_lock:
+            self._reserve_limit = ans.get("limit", 0)
+            self._reserved += ans["offsets"]
+
+    def _take_reserved(self, n: int) -> list[int]:
+        """Up to half of what the daemon lets this connection hold: the slots a store fills come back
+        while it runs (its refill goes out first), and the daemon counts those still being filled."""
+        with self._reserve_lock:
+            k = min(n, (self._reserve_limit or 0) // 2)
+            out = self._reserved[:k]
+            del self._reserved[:k]
+        return out
+
+    def _give_back(self, offsets: list[int]) -> None:
+        if offsets:
+            with self._reserve_lock:
+                self._reserved += offsets
+
+    def _refill_wanted(self, n: int) -> int:
+        """How many slots to ask the daemon to set aside for the next stores (it may grant fewer)."""
+        with self._reserve_lock:
+            limit = self._reserve_limit
+            target = n if limit is None else limit // 2
+            return max(0, target - len(self._reserved))
 
     def op_load(self, keys: Sequence[str], buffers: Sequence[Any]) -> Op:
         if len(keys) != len(buffers):

@@ -74,6 +74,8 @@ class PageIndex:
         # Dirty, ready pages in the order they became dirty: what write-back writes out first.
         self.dirty: OrderedDict[tuple[str, str], Entry] = OrderedDict()
         self.evictable_bytes = 0
+        self.reserved = 0  # slots set aside for connections' next stores, under no key yet
+        self.reserved_bytes = 0
         self.counters: collections.Counter[str] = collections.Counter()
         # Called with every entry that leaves the index (evicted, aborted, failed fill).
         self.on_remove: Callable[[Entry], None] = lambda entry: None
@@ -86,6 +88,36 @@ class PageIndex:
 
     def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
         """A new entry with a slot of its own, evicting if needed; None when nothing can be freed."""
+        entry = self._slot_entry(ns, key, page_bytes, state)
+        if entry is not None:
+            self.entries[(ns, key)] = entry
+        return entry
+
+    def reserve(self, ns: str, page_bytes: int) -> Entry | None:
+        """A slot set aside for a connection's next stores (hicached.tiers.Tiers.reserve): a WRITING entry
+        under no key yet, leased, so that neither eviction nor a slab move takes it. None when nothing can
+        be freed."""
+        entry = self._slot_entry(ns, "", page_bytes, WRITING)
+        if entry is not None:
+            entry.leases = 1
+            self.reserved += 1
+            self.reserved_bytes += entry.cls.slot_bytes
+        return entry
+
+    def bind(self, entry: Entry, key: str) -> None:
+        """A reserved slot takes its key (the caller checked that the key is free)."""
+        entry.key = key
+        self.entries[(entry.ns, key)] = entry
+        self.reserved -= 1
+        self.reserved_bytes -= entry.cls.slot_bytes
+
+    def unreserve(self, entry: Entry) -> None:
+        """A reserved slot that was never bound goes back to the allocator."""
+        self.reserved -= 1
+        self.reserved_bytes -= entry.cls.slot_bytes
+        self._free_slot(entry)
+
+    def _slot_entry(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
         cls = self._classes.get(page_bytes)
         if cls is None:
             cls = self._classes[page_bytes] = self.alloc.size_class(slot_size(page_bytes))
@@ -96,7 +128,6 @@ class PageIndex:
                 self.counters["alloc_failures"] += 1
                 return None
         entry = Entry(ns, key, offset, page_bytes, cls, state)
-        self.entries[(ns, key)] = entry
         self._by_offset[offset] = entry
         return entry
 
@@ -246,6 +277,8 @@ class PageIndex:
             "dirty": sum(1 for e in self.entries.values() if e.dirty),
             "pinned": sum(1 for e in self.entries.values() if e.pinned),
             "leased": sum(1 for e in self.entries.values() if e.leases),
+            "reserved": self.reserved,
+            "reserved_bytes": self.reserved_bytes,
             "evictable_bytes": self.evictable_bytes,
             "used_bytes": sum(c.used * c.slot_bytes for c in self.alloc.classes.values()),
             "capacity_bytes": self.alloc.capacity,

@@ -47,6 +47,10 @@ ALLOC_WRITE = 0  # write the page at the offset given, then commit
 ALLOC_PRESENT = 1  # the daemon has (or is receiving) this page: nothing to write
 ALLOC_NO_SPACE = 2  # no slot could be freed
 ALLOC_BUSY = 3  # backup queue full: try later
+# What `put` did with each reserved slot it was given (answer field "status").
+PUT_STORED = 0  # bound to its key: the page is stored
+PUT_PRESENT = 1  # the daemon has (or is receiving) this key already: the slot stays reserved
+PUT_BUSY = 3  # backup queue full: not stored, the slot stays reserved
 
 
 class FrameError(Exception):

@@ -36,7 +36,19 @@ Handler = Callable[[Session, dict[str, Any]], Any]
 
 # Operator requests, and those that finish what an engine already started, are answered while draining.
 CONTROL_OPS = frozenset(
-    {"status", "stats", "reload", "backend", "drain", "flush", "commit", "abort", "release", "region_detach"}
+    {
+        "status",
+        "stats",
+        "reload",
+        "backend",
+        "drain",
+        "flush",
+        "commit",
+        "put",
+        "abort",
+        "release",
+        "region_detach",
+    }
 )
 MAX_FDS = 4  # fds read with a connection's first bytes; region_attach takes exactly one
 
@@ -345,6 +357,17 @@ class Server:
             status, offsets = t.alloc(s, keys(s, req))
             return {"status": status, "offsets": offsets}
 
+        def reserve(s: Session, req: dict[str, Any]) -> dict:
+            s.require_hello()
+            n = arg(req, "n", int)
+            if not 0 <= n <= limit:
+                raise HicachedError(BAD_REQUEST, f"n must be between 0 and {limit}, got {n}")
+            offsets, may_hold = t.reserve(s, n)
+            return {"offsets": offsets, "limit": may_hold}
+
+        def put(s: Session, req: dict[str, Any]) -> dict:
+            return {"status": t.put(s, keys(s, req), arg(req, "offsets", list))}
+
         def acquire(s: Session, req: dict[str, Any]) -> Any:
             ks = all_in_l2(s, req)
             if ks is not None:
@@ -381,6 +404,8 @@ class Server:
             "alloc": alloc,
             "commit": lambda s, req: {"ok": t.commit(s, keys(s, req))},
             "abort": lambda s, req: {"n": t.abort(s, keys(s, req))},
+            "reserve": reserve,
+            "put": put,
             "acquire": acquire,
             "release": release,
             "prefetch": prefetch,

@@ -24,7 +24,15 @@ from .errors import BAD_REQUEST, NOT_FOUND, HicachedError
 from .index import FILLING, READY, WRITING, Entry, PageIndex
 from .pool import Pool
 from .prefetch import Prefetcher
-from .protocol import ALLOC_BUSY, ALLOC_NO_SPACE, ALLOC_PRESENT, ALLOC_WRITE
+from .protocol import (
+    ALLOC_BUSY,
+    ALLOC_NO_SPACE,
+    ALLOC_PRESENT,
+    ALLOC_WRITE,
+    PUT_BUSY,
+    PUT_PRESENT,
+    PUT_STORED,
+)
 from .retry import Backoff
 from .slabs import SlabAllocator, slot_size
 
@@ -54,6 +62,7 @@ class Session:
     page_bytes: int = 0
     leases: dict[int, list[Entry]] = field(default_factory=dict)
     writing: dict[str, Entry] = field(default_factory=dict)
+    reserved: dict[int, Entry] = field(default_factory=dict)  # offset -> slot set aside for its stores
     handles: dict[int, Handle] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     # hicached.regions.SessionRegions once the connection registers a memory region.
@@ -197,8 +206,15 @@ class Tiers:
             raise HicachedError(
                 BAD_REQUEST, f"namespace {ns!r} holds pages of {known} bytes, not {page_bytes}"
             )
+        if s.reserved and (s.ns, s.page_bytes) != (ns, page_bytes):
+            self._unreserve(s)  # set aside for the other namespace or page size
         s.ns, s.page_bytes = ns, page_bytes
         return {"slot_bytes": slot_size(page_bytes)}
+
+    def _unreserve(self, s: Session) -> None:
+        for e in s.reserved.values():
+            self.index.unreserve(e)
+        s.reserved.clear()
 
     def close_session(self, s: Session) -> None:
         for entries in s.leases.values():
@@ -213,6 +229,7 @@ class Tiers:
             self.index.unlease(e)
             self.index.remove(e)
         s.writing.clear()
+        self._unreserve(s)
 
     # Store: alloc -> engine writes the bytes -> commit.
 
@@ -254,21 +271,82 @@ class Tiers:
             if entry is None:
                 out.append(False)
                 continue
-            entry.state = READY
-            if (s.ns, key) in self.known_in_l3:
-                del self.known_in_l3[(s.ns, key)]
-                entry.in_l3 = True  # it was there when this page last left L2: not written again
-                self.counters["store.known_in_l3"] += 1
-            entry.dirty = self.connector is not None and not entry.in_l3
-            self.index.unlease(entry)
-            if entry.dirty and not self.write_back:
-                self.backup.submit(entry)
-            self.counters["store.pages"] += 1
-            self.counters["store.bytes"] += entry.size
+            self._stored(entry)
             out.append(True)
+        self._after_stores()
+        return out
+
+    def _stored(self, entry: Entry) -> None:
+        """A page whose bytes the engine has written (leased while it did) becomes ready."""
+        entry.state = READY
+        k = (entry.ns, entry.key)
+        if k in self.known_in_l3:
+            del self.known_in_l3[k]
+            entry.in_l3 = True  # it was there when this page last left L2: not written again
+            self.counters["store.known_in_l3"] += 1
+        entry.dirty = self.connector is not None and not entry.in_l3
+        self.index.unlease(entry)
+        if entry.dirty and not self.write_back:
+            self.backup.submit(entry)
+        self.counters["store.pages"] += 1
+        self.counters["store.bytes"] += entry.size
+
+    def _after_stores(self) -> None:
         if self.write_back and self.index.reclaimable_fraction() < self.cfg.pool.writeback_low_watermark:
             self._pressure.set()
-        return out
+
+    # Store from reserved slots: reserve (ahead, answered while the engine copies) -> the engine writes
+    # the bytes into slots it already holds -> put binds each slot to its key. A store then waits on
+    # one round trip (the put), not two; the reserve is refilled in the background of the next copies.
+
+    def reserve(self, s: Session, n: int) -> tuple[list[int], int]:
+        """Up to `n` more slots set aside for this connection's stores, within pool.reserve_per_connection
+        and, over all connections, pool.reserve_max_fraction of the pool. Evicts like a store would.
+        Returns their offsets and how many this connection may hold."""
+        self.last_engine_io = time.monotonic()
+        slot = slot_size(s.page_bytes)
+        every = int(self.cfg.pool.reserve_max_fraction * self.index.alloc.capacity)
+        limit = min(self.cfg.pool.reserve_per_connection, every) // slot
+        n = min(n, limit - len(s.reserved), (every - self.index.reserved_bytes) // slot)
+        offsets = []
+        for _ in range(n):
+            entry = self.index.reserve(s.ns, s.page_bytes)
+            if entry is None:
+                self.counters["store.no_space"] += 1
+                if self.write_back:
+                    self._pressure.set()
+                break
+            s.reserved[entry.offset] = entry
+            offsets.append(entry.offset)
+        return offsets, limit
+
+    def put(self, s: Session, keys: list[str], offsets: list[int]) -> list[int]:
+        """Binds reserved slots, whose bytes the engine wrote, to `keys`: a PUT_* status per key. A slot
+        whose key is there already, or that the backup queue cannot take, stays reserved."""
+        if len(offsets) != len(keys) or len(set(offsets)) != len(offsets):
+            raise HicachedError(BAD_REQUEST, "put needs one distinct offset per key")
+        if not all(type(o) is int and o in s.reserved for o in offsets):
+            raise HicachedError(BAD_REQUEST, "put names a slot this connection has not reserved")
+        self.last_engine_io = time.monotonic()
+        through = self.connector is not None and not self.write_back
+        status = []
+        for key, off in zip(keys, offsets, strict=True):
+            entry = self.index.get(s.ns, key)
+            if entry is not None:
+                if entry.state == READY:
+                    self.index.touch(entry)
+                status.append(PUT_PRESENT)
+                continue
+            if through and self.backup.pending + len(s.writing) >= self.backup.queue_pages:
+                self.counters["store.busy"] += 1
+                status.append(PUT_BUSY)
+                continue
+            entry = s.reserved.pop(off)
+            self.index.bind(entry, key)
+            self._stored(entry)
+            status.append(PUT_STORED)
+        self._after_stores()
+        return status
 
     def abort(self, s: Session, keys: list[str]) -> int:
         n = 0

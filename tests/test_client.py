@@ -118,7 +118,47 @@ def test_one_client_shared_by_many_threads(threaded_daemon):
         for t in threads:
             t.join()
         assert not errors, errors
-        assert c.stats()["counters"]["store.pages"] == 8 * 10 * 4
+        stats = c.stats()
+        assert stats["counters"]["store.pages"] == 8 * 10 * 4
+        assert stats["pool"]["reserved"] == len(c._ops._reserved) > 0  # no slot set aside was lost
+
+
+def test_stores_copy_into_slots_held_ahead(threaded_daemon, monkeypatch):
+    # The first store allocates and asks for slots ahead; the next ones copy into those at once and only
+    # bind them to keys (put), with no allocation to wait for.
+    sock = threaded_daemon.server.path
+    ops: list[str] = []
+    real_send = Client._send
+
+    def send(self, req, held):
+        ops.append(req["op"])
+        return real_send(self, req, held)
+
+    monkeypatch.setattr(Client, "_send", send)
+    keys = [f"ahead{i}" for i in range(100)]
+    pages = [os.urandom(PAGE) for _ in keys]
+    with Client(sock, "ahead.ns", PAGE) as c:
+        assert c.store(keys[:16], pages[:16]) == [True] * 16
+        assert "alloc" in ops and "reserve" in ops
+        held = len(c._ops._reserved)
+        assert c.stats()["pool"]["reserved"] == held == 16
+        ops.clear()
+        assert c.store(keys[16:32], pages[16:32]) == [True] * 16
+        assert ops == ["reserve", "put", "put"]  # the refill goes out first; two puts, no alloc
+        # More pages than the slots held ahead: the first go there, the others are allocated.
+        n = c._ops._reserve_limit // 2 + 8
+        assert 32 + n <= len(keys)
+        ops.clear()
+        assert c.store(keys[32 : 32 + n], pages[32 : 32 + n]) == [True] * n
+        assert "alloc" in ops and "put" in ops
+        assert c.get(keys[: 32 + n]) == pages[: 32 + n]
+        # Pages there already: their reserved slots come back to the client, nothing is overwritten.
+        assert c.store(keys[:16], [bytes(PAGE)] * 16) == [True] * 16
+        assert c.get(keys[: 32 + n]) == pages[: 32 + n]
+        held = len(c._ops._reserved)
+        assert c.stats()["pool"]["reserved"] == held > 0
+    with Client(sock, "ahead.ns", PAGE) as c:
+        assert c.stats()["pool"]["reserved"] == 0  # the closed connection's slots were freed
 
 
 def test_tensors_and_arrays_as_pages_and_buffers(threaded_daemon):
@@ -183,6 +223,7 @@ def test_store_failing_half_way_leaves_no_slot_taken(threaded_daemon, monkeypatc
         monkeypatch.undo()
         stats = c.stats()
         assert stats["pool"]["writing"] == 0 and stats["pool"]["pages"] == 5
+        assert stats["pool"]["reserved"] == len(c._ops._reserved)  # slots held ahead: none lost
         assert c.exists(keys) == 5
         assert c.store(keys, pages) == [True] * 40
         assert c.get(keys) == pages
@@ -203,7 +244,11 @@ async def test_async_store_failing_half_way_leaves_no_slot_taken(tmp_path, monke
             monkeypatch.undo()
             stats = await c.stats()
             assert stats["pool"]["writing"] == 0 and stats["pool"]["pages"] == 0
+            assert stats["pool"]["reserved"] == len(c._ops._reserved)
             assert await c.store(keys, pages) == [True] * 40
+            assert await c.store(keys, pages) == [True] * 40  # from the slots held ahead, all present
+            stats = await c.stats()
+            assert stats["pool"]["reserved"] == len(c._ops._reserved) > 0
             assert await c.get(keys) == pages
     finally:
         d.handle_signal(signal.SIGTERM)

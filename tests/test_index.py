@@ -604,3 +604,26 @@ async def test_remove_twice_with_quarantine_frees_once(idx: PageIndex) -> None:
     await _until_freed(e)
     assert e.cls.used == 0
     assert e.cls.free.count(e.offset) == 1
+
+
+def test_reserved_slots_are_never_evicted_nor_moved(idx: PageIndex) -> None:
+    # Slab 0: one slot reserved (under no key), the others free. Another class short of slabs must not
+    # take that slab: the engine may be writing into the reserved slot at this very moment.
+    a_pages = fill(idx, A, "a")
+    for e in a_pages[: SLAB // A]:
+        idx.remove(e)
+    spare = idx.reserve(NS, A)
+    assert spare is not None and idx.alloc.slab_of(spare.offset) == 0
+    assert idx.reserved == 1 and idx.reserved_bytes == A
+    for e in a_pages[SLAB // A :]:
+        idx.lease(e)
+    assert idx.allocate(NS, key(0, "b"), B, WRITING) is None  # nothing else can be taken
+    assert idx.alloc.owner(0).slot_bytes == A
+    assert idx.stats()["pages"] == len(a_pages) - SLAB // A  # a reserved slot is no page yet
+    idx.bind(spare, key(9, "r"))
+    assert idx.get(NS, key(9, "r")) is spare and idx.reserved == 0 and idx.reserved_bytes == 0
+    other = idx.reserve(NS, A)
+    assert other is not None
+    used = idx.stats()["used_bytes"]
+    idx.unreserve(other)
+    assert idx.stats()["used_bytes"] == used - A and idx.reserved == 0

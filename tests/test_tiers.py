@@ -13,7 +13,15 @@ from connectors.base import BackendUnavailable
 from connectors.file import FileConnector
 from hicached.errors import HicachedError
 from hicached.pool import Pool
-from hicached.protocol import ALLOC_BUSY, ALLOC_NO_SPACE, ALLOC_PRESENT, ALLOC_WRITE
+from hicached.protocol import (
+    ALLOC_BUSY,
+    ALLOC_NO_SPACE,
+    ALLOC_PRESENT,
+    ALLOC_WRITE,
+    PUT_BUSY,
+    PUT_PRESENT,
+    PUT_STORED,
+)
 from hicached.tiers import PREFETCH_STEP, Session, Tiers
 
 PAGE = 64 * 1024
@@ -169,6 +177,57 @@ async def test_backup_queue_bound_is_back_pressure(tmp_path):
         s = session(t)
         status, _ = t.alloc(s, [f"q{i}" for i in range(10)])
         assert status.count(ALLOC_WRITE) == 4 and status.count(ALLOC_BUSY) == 6
+    finally:
+        await close_tiers(t)
+
+
+async def test_put_into_reserved_slots_is_back_pressured_too(tmp_path):
+    flaky = FlakyFile(cfg_for(tmp_path), fail=1000)
+    t = await make_tiers(tmp_path, connector=flaky, backup_queue_pages=4, backup_concurrency=1)
+    try:
+        s = session(t)
+        offsets, _ = t.reserve(s, 6)
+        assert t.put(s, [f"q{i}" for i in range(6)], offsets) == [PUT_STORED] * 4 + [PUT_BUSY] * 2
+        assert sorted(s.reserved) == sorted(offsets[4:])  # refused: still this connection's
+    finally:
+        await close_tiers(t)
+
+
+async def test_reserved_slots_are_bounded_bound_by_put_and_given_back(tmp_path):
+    # 8 MiB pool, pages of 64 KiB: 8 slots a connection (512 KiB), 16 over all (1/8 of the pool).
+    t = await make_tiers(tmp_path)
+    t.cfg.pool.reserve_per_connection = 512 * 1024
+    try:
+        s1, s2, s3 = session(t), session(t), session(t)
+        off1, limit = t.reserve(s1, 100)
+        assert len(off1) == 8 and limit == 8
+        assert t.reserve(s1, 100) == ([], 8)  # holds all it may
+        assert len(t.reserve(s2, 100)[0]) == 8
+        assert t.reserve(s3, 100)[0] == []  # the pool-wide bound
+        assert t.index.stats()["reserved"] == 16 and t.index.stats()["pages"] == 0
+        keys = [f"r{i}" for i in range(8)]
+        for i, off in enumerate(off1):
+            t.pool.view[off : off + PAGE] = bytes([i]) * PAGE
+        for bad in ([off1[0]] * 2, off1[:1] + [-1], off1[:1] + [next(iter(s2.reserved))], off1[:1]):
+            with pytest.raises(HicachedError) as e:
+                t.put(s1, keys[:2], bad)
+            assert e.value.code == "bad_request"
+        assert t.put(s1, keys[:6], off1[:6]) == [PUT_STORED] * 6
+        # A key that is there already: the slot stays reserved, nothing is overwritten.
+        assert t.put(s1, keys[:1] + keys[6:7], off1[6:8]) == [PUT_PRESENT, PUT_STORED]
+        assert list(s1.reserved) == [off1[6]]
+        lease, offsets = t.acquire_ready(s1, keys[:7])
+        assert offsets == off1[:6] + off1[7:]
+        assert [t.pool.view[o] for o in offsets] == [0, 1, 2, 3, 4, 5, 7]
+        t.release(s1, lease)
+        assert t.counters["store.pages"] == 7
+        used = t.index.stats()["used_bytes"]
+        t.close_session(s2)
+        t.hello(s1, "ns2", PAGE * 2)  # another page size: what s1 set aside is let go
+        assert s1.reserved == {} and t.index.stats()["reserved"] == 0
+        assert t.index.stats()["used_bytes"] == used - 9 * PAGE
+        assert await t.backup.drain(10)  # backed up like any store
+        assert await t.exists(session(t), keys) == 7
     finally:
         await close_tiers(t)
 

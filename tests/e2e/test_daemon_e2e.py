@@ -217,6 +217,7 @@ def test_disconnect_releases_everything_it_held(daemon):
         {"id": 2, "op": "acquire", "keys": keys[:10]},
         {"id": 3, "op": "prefetch", "keys": keys[10:20]},
         {"id": 4, "op": "alloc", "keys": keys_for(8, 5)},
+        {"id": 5, "op": "reserve", "n": 3},
     ]
     s.sendall(b"".join(protocol.encode(r) for r in reqs))
     seen: dict[int, dict] = {}
@@ -226,16 +227,17 @@ def test_disconnect_releases_everything_it_held(daemon):
             seen[m["id"]] = m
     assert len(seen[2]["offsets"]) == 10
     assert seen[4]["status"] == [protocol.ALLOC_WRITE] * 5
+    assert len(seen[5]["offsets"]) == 3
     with Client(daemon.socket, "lease.ns", PAGE) as c:
         pool = c.stats()["pool"]
-        assert pool["leased"] == 25 and pool["writing"] == 5
-        s.close()  # the engine dies holding read leases, a prefetch handle and slots it was writing
-        for _ in range(200):
+        assert pool["leased"] == 25 and pool["writing"] == 5 and pool["reserved"] == 3
+        s.close()  # the engine dies holding read leases, a prefetch handle, slots it was writing and some
+        for _ in range(200):  # set aside for its next stores
             pool = c.stats()["pool"]
             if pool["leased"] == 0:
                 break
             threading.Event().wait(0.02)
-        assert pool["leased"] == 0 and pool["writing"] == 0
+        assert pool["leased"] == 0 and pool["writing"] == 0 and pool["reserved"] == 0
         assert c.exists(keys_for(8, 5)) == 0  # the uncommitted pages are gone
         assert c.get(keys) == pages
 
