@@ -230,27 +230,38 @@ class _Ops(RegionOps):
                 held = [keys[lo + i] for i, st in enumerate(ans["status"]) if st == protocol.ALLOC_WRITE]
                 if held:
                     yield _NoReply(op="abort", keys=held)
-            for indices, ticket, is_put in acks:
-                with contextlib.suppress(HicachedError):
-                    ans = yield _Await(ticket)
-                    if is_put:
-                        self._put_done(ans, indices, spare, result)
+            yield from self._collect_acks(acks, spare, result)
             yield from self._collect_refill(refill)
             raise
         # At most two commits (and two puts) a call: the pages before the last segment (sent above, before
         # its copy) and the last segment's. A page is reported stored only once the daemon has it, so any
         # connection that asks next sees it.
-        try:
-            for indices, ticket, is_put in acks:
-                ans = yield _Await(ticket)
-                if is_put:
-                    self._put_done(ans, indices, spare, result)
-                else:
-                    for i, good in zip(indices, ans["ok"], strict=True):
-                        result[i] = bool(good)
-        finally:
-            yield from self._collect_refill(refill)
+        error = yield from self._collect_acks(acks, spare, result)
+        yield from self._collect_refill(refill)
+        if error is not None:
+            raise error
         return result
+
+    def _collect_acks(
+        self, acks: list[tuple[list[int], Any, bool]], spare: list[int], result: list[bool]
+    ) -> Generator[Any, Any, HicachedError | None]:
+        """Every answer to the commits and puts sent (none is left behind); the first error, if any. A
+        put refused as a whole (draining) left its slots reserved: they come back to this client."""
+        error = None
+        for indices, ticket, is_put in acks:
+            try:
+                ans = yield _Await(ticket)
+            except HicachedError as e:
+                error = error or e
+                if is_put:
+                    self._give_back([spare[i] for i in indices])
+                continue
+            if is_put:
+                self._put_done(ans, indices, spare, result)
+            else:
+                for i, good in zip(indices, ans["ok"], strict=True):
+                    result[i] = bool(good)
+        return error
 
     def _store_acks(
         self, keys: list[str], spare: list[int], indices: range, slot: dict[int, int], now: bool

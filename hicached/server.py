@@ -44,7 +44,6 @@ CONTROL_OPS = frozenset(
         "drain",
         "flush",
         "commit",
-        "put",
         "abort",
         "release",
         "region_detach",

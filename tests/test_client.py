@@ -161,6 +161,39 @@ def test_stores_copy_into_slots_held_ahead(threaded_daemon, monkeypatch):
         assert c.stats()["pool"]["reserved"] == 0  # the closed connection's slots were freed
 
 
+def test_store_refused_while_draining_collects_each_answer_once(threaded_daemon, monkeypatch):
+    # Regression: an allocation answered with an error was waited for a second time on the way out (an
+    # answer that never comes: the call hung for the client's whole time-out).
+    sock = threaded_daemon.server.path
+    keys = [f"drain{i}" for i in range(48)]
+    pages = [os.urandom(PAGE) for _ in keys]
+    collected: list[int] = []
+    real_collect = Client._collect
+
+    def collect(self, rid):
+        collected.append(rid)
+        return real_collect(self, rid)
+
+    monkeypatch.setattr(Client, "_collect", collect)
+    with Client(sock, "drain.ns", PAGE, timeout=60) as c:
+        assert c.store(keys[:8], pages[:8]) == [True] * 8  # and slots held ahead for the next stores
+        held = len(c._ops._reserved)
+        threaded_daemon.server.draining = True
+        try:
+            for some in (keys[8:12], keys[8:]):
+                with pytest.raises(HicachedError) as e:
+                    c.store(some, pages[8 : 8 + len(some)])
+                assert e.value.code == "draining"
+        finally:
+            threaded_daemon.server.draining = False
+        assert len(collected) == len(set(collected))
+        stats = c.stats()
+        assert stats["pool"]["pages"] == 8 and stats["pool"]["writing"] == 0
+        assert stats["pool"]["reserved"] == len(c._ops._reserved) == held  # refused puts kept their slots
+        assert c.store(keys, pages) == [True] * 48
+        assert c.get(keys) == pages
+
+
 def test_tensors_and_arrays_as_pages_and_buffers(threaded_daemon):
     sock = threaded_daemon.server.path
     with Client(sock, "tensor.ns", PAGE) as c:
