@@ -89,6 +89,7 @@ class DaemonCollector(Collector):
             ("hicached_pool_capacity_bytes", "L2 pool capacity", idx.alloc.capacity),
             ("hicached_pool_used_bytes", "L2 bytes in slots in use", used),
             ("hicached_pool_pages", "Pages in L2", len(idx.entries)),
+            ("hicached_pool_reserved_bytes", "L2 bytes in slots held ahead for stores", idx.reserved_bytes),
             (
                 "hicached_pool_dirty_pages",
                 "Pages in L2 not yet in L3",

@@ -173,7 +173,15 @@ def test_metrics_endpoint(daemon_factory):
         c.store(["a", "b"], [os.urandom(PAGE), os.urandom(PAGE)])
         c.get(["a", "b", "c"])
         d.ctl("flush")
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        held = re.search(r"^hicached_pool_reserved_bytes (\S+)$", body, re.M)
+        assert held and float(held.group(1)) > 0  # the client holds slots ahead for its next stores
+    for _ in range(250):  # given back once the daemon has seen the connection close
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        if re.search(r"^hicached_pool_reserved_bytes 0\.0$", body, re.M):
+            break
+        time.sleep(0.02)
+    assert re.search(r"^hicached_pool_reserved_bytes 0\.0$", body, re.M)
     assert re.search(r"^hicached_stored_pages_total 2\.0$", body, re.M)
     assert re.search(r"^hicached_backed_up_pages_total 2\.0$", body, re.M)
     assert re.search(r'^hicached_backend_attached\{backend="file",state="attached"\} 1\.0$', body, re.M)
