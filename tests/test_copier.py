@@ -113,6 +113,10 @@ async def test_the_watchdog_clock_sees_a_job_that_does_not_end(pool, monkeypatch
     try:
         geom = Geometry(4096, 1, (Segment(0, 4096, 4096),))
         fut = c.copy(host_region(4096), True, geom, [0], [0])
+        for _ in range(3000):  # the copy thread has taken the job (bounded for slow CI machines)
+            if c.stats()["jobs_running"] == 1:
+                break
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
         assert c.oldest_age() >= 0.15 and c.progress == 0 and c.stats()["jobs_running"] == 1
         release.set()

@@ -69,7 +69,7 @@ def kv_page(buf, i: int, v_base: int) -> bytes:
     )
 
 
-async def wait_for(pred, timeout: float = 5.0) -> None:
+async def wait_for(pred, timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not pred():

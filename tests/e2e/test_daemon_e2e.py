@@ -232,7 +232,7 @@ def test_disconnect_releases_everything_it_held(daemon):
         pool = c.stats()["pool"]
         assert pool["leased"] == 25 and pool["writing"] == 5 and pool["reserved"] == 3
         s.close()  # the engine dies holding read leases, a prefetch handle, slots it was writing and some
-        for _ in range(200):  # set aside for its next stores
+        for _ in range(1500):  # set aside for its next stores
             pool = c.stats()["pool"]
             if pool["leased"] == 0:
                 break

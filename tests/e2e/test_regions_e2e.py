@@ -235,7 +235,7 @@ def _run_killed_engine(daemon, kind: str, name: str) -> None:
             assert f"/memfd:{name}" in _maps(daemon.proc.pid)
         engine.kill()  # SIGKILL: no unregister, no close
         engine.wait(30)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while daemon.ctl("stats")["regions"]["count"] and time.monotonic() < deadline:
             time.sleep(0.02)
         stats = daemon.ctl("stats")

@@ -101,7 +101,7 @@ def test_broken_toml_on_sighup_keeps_the_old_config(daemon):
         ]:
             daemon.write_config(broken)
             daemon.proc.send_signal(signal.SIGHUP)
-            for _ in range(200):
+            for _ in range(1500):
                 status = daemon.ctl("status")
                 if why in status["last_reload"]:
                     break
@@ -176,7 +176,7 @@ def test_metrics_endpoint(daemon_factory):
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         held = re.search(r"^hicached_pool_reserved_bytes (\S+)$", body, re.M)
         assert held and float(held.group(1)) > 0  # the client holds slots ahead for its next stores
-    for _ in range(250):  # given back once the daemon has seen the connection close
+    for _ in range(1500):  # given back once the daemon has seen the connection close
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         if re.search(r"^hicached_pool_reserved_bytes 0\.0$", body, re.M):
             break
