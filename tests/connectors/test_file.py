@@ -487,6 +487,7 @@ async def test_timeout_raises_backend_unavailable(tmp_path) -> None:
         finally:
             release.set()
             await blocker
+        conn._timeout = 30.0  # the thread is free again: a put goes through (50 ms is short on a busy CI)
         assert await conn.put(NS, [key(1)], [page(1, 100)]) == [True]
 
 
