@@ -17,6 +17,15 @@ SCM_RIGHTS. What the peer sends first decides what the connection is:
   connection closes. A transport cannot receive fds, so the daemon reads a connection's first bytes on the
   raw socket; an engine sends hello right away, so this costs it no round trip.
 
+Stores (after hello): `alloc {keys} -> {status: [ALLOC_*], offsets}` hands out WRITING slots; the client
+copies the pages in and sends `commit {keys} -> {ok: [bool]}` (or `abort {keys}`). `reserve {n} ->
+{offsets, limit}` sets up to n slots aside for the connection's next stores (limit: how many it may hold,
+pool.reserve_per_connection and a pool-wide bound); the client copies pages into them without asking
+first, and `put {keys, offsets} -> {status: [PUT_*]}` binds them to keys (a slot whose key is there
+already, or that the backup queue cannot take, stays reserved). Slots in WRITING or reserved are freed
+when the connection closes. `alloc`, `reserve` and `put` are refused while the daemon drains; `commit`
+and `abort` are not.
+
 Regions (requests on an engine connection, after hello):
 - `region_attach` with `kind: "cuda"` needs no fd and is sent on the engine connection itself: `cuda` is a
   map of explicit IPC fields `{version: 1, device_uuid, ipc_handle, storage_bytes, storage_offset,
