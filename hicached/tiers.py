@@ -323,10 +323,10 @@ class Tiers:
     def put(self, s: Session, keys: list[str], offsets: list[int]) -> list[int]:
         """Binds reserved slots, whose bytes the engine wrote, to `keys`: a PUT_* status per key. A slot
         whose key is there already, or that the backup queue cannot take, stays reserved."""
-        if len(offsets) != len(keys) or len(set(offsets)) != len(offsets):
-            raise HicachedError(BAD_REQUEST, "put needs one distinct offset per key")
         if not all(type(o) is int and o in s.reserved for o in offsets):
             raise HicachedError(BAD_REQUEST, "put names a slot this connection has not reserved")
+        if len(offsets) != len(keys) or len(set(offsets)) != len(offsets):
+            raise HicachedError(BAD_REQUEST, "put needs one distinct offset per key")
         self.last_engine_io = time.monotonic()
         through = self.connector is not None and not self.write_back
         status = []

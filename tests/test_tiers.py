@@ -208,7 +208,8 @@ async def test_reserved_slots_are_bounded_bound_by_put_and_given_back(tmp_path):
         keys = [f"r{i}" for i in range(8)]
         for i, off in enumerate(off1):
             t.pool.view[off : off + PAGE] = bytes([i]) * PAGE
-        for bad in ([off1[0]] * 2, off1[:1] + [-1], off1[:1] + [next(iter(s2.reserved))], off1[:1]):
+        foreign = next(iter(s2.reserved))
+        for bad in ([off1[0]] * 2, off1[:1] + [-1], off1[:1] + [foreign], off1[:1], [[1], off1[0]], off1[:3]):
             with pytest.raises(HicachedError) as e:
                 t.put(s1, keys[:2], bad)
             assert e.value.code == "bad_request"
