@@ -16,11 +16,11 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import protocol
-from .client_ops import Op, _Await, _held, _NoReply, _Ops, _Send
+from .client_ops import Op, _Await, _held, _NoReply, _Ops, _Send, peer_closed_check
 from .client_regions import SideAttach, shared_buffer, side_attach
 from .errors import CONNECTION, TIMEOUT, HicachedError
 
@@ -104,6 +104,7 @@ class Client:
         self._sock, welcome, fd = _connect(self._path, timeout)
         self._sock.settimeout(None)
         self._ops._attach(welcome, fd)
+        self._ops.peer_closed = peer_closed_check(self._sock.fileno())
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
         self._decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
@@ -311,6 +312,7 @@ class Client:
                 self._cv.notify_all()
 
     def _fail(self, why: str) -> None:
+        self._ops._drop_reserved()
         with self._cv:
             self._broken = self._broken or why
             self._cv.notify_all()
@@ -323,6 +325,7 @@ class _AsyncProtocol(asyncio.Protocol):
         self.waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.transport: asyncio.Transport | None = None
         self.broken: str | None = None
+        self.on_broken: Callable[[], None] = lambda: None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -344,6 +347,7 @@ class _AsyncProtocol(asyncio.Protocol):
 
     def _fail(self, why: str) -> None:
         self.broken = self.broken or why
+        self.on_broken()
         for fut in self.waiters.values():
             if not fut.done():
                 fut.set_exception(HicachedError(CONNECTION, why))
@@ -371,6 +375,8 @@ class AsyncClient:
         self._ops._attach(welcome, fd)
         sock.setblocking(False)
         _, self._proto = await loop.create_unix_connection(_AsyncProtocol, sock=sock)
+        self._proto.on_broken = self._ops._drop_reserved
+        self._ops.peer_closed = peer_closed_check(sock.fileno())
         try:
             await self._run(self._ops.op_hello())
         except BaseException:

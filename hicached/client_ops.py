@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,14 @@ def _populate(mm: mmap.mmap, size: int) -> None:
     with contextlib.suppress(OSError, ValueError):
         for start in range(0, size, step):
             mm.madvise(_MADV_POPULATE_WRITE, start, min(step, size - start))
+
+
+def peer_closed_check(fd: int) -> Callable[[], bool]:
+    """A check, one poll(2) that does not wait, that the daemon has closed or reset the connection on `fd`
+    (the peer's FIN shows as POLLRDHUP before anything has read it)."""
+    p = select.poll()
+    p.register(fd, select.POLLRDHUP)
+    return lambda: bool(p.poll(0))
 
 
 class _NoReply(dict):
@@ -110,6 +119,9 @@ class _Ops(RegionOps):
         self._reserve_lock = threading.Lock()
         self._reserved: list[int] = []
         self._reserve_limit: int | None = None
+        # Set by the client to a check that the daemon has closed the connection: then the slots held
+        # ahead are freed on its side and may already belong to another page, so they are never written.
+        self.peer_closed: Callable[[], bool] = lambda: False
 
     def _attach(self, welcome: dict[str, Any], fd: int) -> None:
         self.token = welcome.get("token", "")
@@ -126,8 +138,7 @@ class _Ops(RegionOps):
         ).start()
 
     def _detach(self) -> None:
-        with self._reserve_lock:
-            self._reserved.clear()  # the daemon frees a closed connection's reserved slots itself
+        self._drop_reserved()  # the daemon frees a closed connection's reserved slots itself
         self.regions.clear()  # the daemon unregisters a closed connection's regions itself
         self._pool = None
         if self._mm is not None:
@@ -306,12 +317,24 @@ class _Ops(RegionOps):
 
     def _take_reserved(self, n: int) -> list[int]:
         """Up to half of what the daemon lets this connection hold: the slots a store fills come back
-        while it runs (its refill goes out first), and the daemon counts those still being filled."""
+        while it runs (its refill goes out first), and the daemon counts those still being filled. None
+        once the daemon has closed the connection (a store may copy into these before it sends anything)."""
+        if not self._reserved:
+            return []
+        if self.peer_closed():
+            self._drop_reserved()
+            return []
         with self._reserve_lock:
             k = min(n, (self._reserve_limit or 0) // 2)
             out = self._reserved[:k]
             del self._reserved[:k]
         return out
+
+    def _drop_reserved(self) -> None:
+        """The connection is gone: the daemon freed the slots it held for it."""
+        with self._reserve_lock:
+            self._reserved.clear()
+            self._reserve_limit = 0
 
     def _give_back(self, offsets: list[int]) -> None:
         if offsets:

@@ -14,6 +14,7 @@ import torch
 import uvloop
 
 import config
+from hicached import protocol
 from hicached.client import AsyncClient, Client
 from hicached.client_ops import _as_bytes_array
 from hicached.daemon import Daemon
@@ -163,6 +164,29 @@ def test_stores_copy_into_slots_held_ahead(threaded_daemon, monkeypatch):
                 break
             threading.Event().wait(0.01)
         assert c.stats()["pool"]["reserved"] == 0
+
+
+def test_slots_held_ahead_are_never_written_once_the_daemon_closed_the_connection(threaded_daemon):
+    # The daemon frees a closed connection's reserved slots and hands them to other pages at once. A store
+    # that needs no refill copies into slots held ahead before it sends anything: it must see the close.
+    sock = threaded_daemon.server.path
+    keys_a, keys_b = [f"a{i}" for i in range(72)], [f"b{i}" for i in range(64)]
+    pages_a, pages_b = [os.urandom(PAGE) for _ in keys_a], [os.urandom(PAGE) for _ in keys_b]
+    with Client(sock, "gone.ns", PAGE) as a, Client(sock, "gone.ns", PAGE) as b:
+        assert a.store(keys_a[:64], pages_a[:64]) == [True] * 64
+        held = len(a._ops._reserved)
+        assert held == a._ops._reserve_limit == 64  # a store of 8 will ask for nothing first
+        a._sock.sendall(protocol.encode({"op": "exists"}))  # no id: the daemon drops the connection
+        for _ in range(3000):
+            if b.stats()["pool"]["reserved"] == 0:
+                break
+            threading.Event().wait(0.01)
+        assert b.stats()["pool"]["reserved"] == 0
+        assert b.store(keys_b, pages_b) == [True] * 64  # into the slots a held: freed slots go first
+        with pytest.raises(HicachedError) as e:
+            a.store(keys_a[64:], pages_a[64:])
+        assert e.value.code == "connection"
+        assert b.get(keys_b) == pages_b
 
 
 def test_store_refused_while_draining_collects_each_answer_once(threaded_daemon, monkeypatch):
