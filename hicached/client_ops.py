@@ -34,10 +34,15 @@ def _populate(mm: mmap.mmap, size: int) -> None:
 
 def peer_closed_check(fd: int) -> Callable[[], bool]:
     """A check, one poll(2) that does not wait, that the daemon has closed or reset the connection on `fd`
-    (the peer's FIN shows as POLLRDHUP before anything has read it)."""
-    p = select.poll()
-    p.register(fd, select.POLLRDHUP)
-    return lambda: bool(p.poll(0))
+    (the peer's FIN shows as POLLRDHUP before anything has read it). Thread-safe: a poll object each call
+    (one object cannot be polled from two threads at once)."""
+
+    def closed() -> bool:
+        p = select.poll()
+        p.register(fd, select.POLLRDHUP)
+        return bool(p.poll(0))
+
+    return closed
 
 
 class _NoReply(dict):
