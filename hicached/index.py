@@ -111,11 +111,11 @@ class PageIndex:
         self.reserved -= 1
         self.reserved_bytes -= entry.cls.slot_bytes
 
-    def unreserve(self, entry: Entry) -> None:
-        """A reserved slot that was never bound goes back to the allocator."""
+    def unreserve(self, entry: Entry, quarantine: float = 0.0) -> None:
+        """A reserved slot that was never bound goes back to the allocator (`quarantine`: as in remove)."""
         self.reserved -= 1
         self.reserved_bytes -= entry.cls.slot_bytes
-        self._free_slot(entry)
+        self._release_slot(entry, quarantine)
 
     def _slot_entry(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
         cls = self._classes.get(page_bytes)
@@ -146,6 +146,9 @@ class PageIndex:
             entry.in_dirty = False
         del self.entries[k]
         self.on_remove(entry)
+        self._release_slot(entry, quarantine)
+
+    def _release_slot(self, entry: Entry, quarantine: float) -> None:
         if quarantine > 0:
             entry.state = QUARANTINED  # still in _by_offset, so its slab is not reassigned meanwhile
             self.counters["quarantined"] += 1

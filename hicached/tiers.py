@@ -40,6 +40,10 @@ log = logging.getLogger("hicached.tiers")
 
 _BUSY_WINDOW_S = 0.01  # engines that stored or loaded within this are busy (see backup_concurrency_busy)
 
+# The slots a closed connection was writing into, or held ahead for its stores, are reused only this long
+# after: a copy its engine started before it saw the close may still be landing in them.
+CLOSED_SLOT_QUARANTINE_S = 5.0
+
 LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
 # A prefetch places this many keys (finds or allocates their slots, evicting) per turn of the event loop:
 # the reads of the first ones start while the rest are placed, instead of after ~8 us a page of placing.
@@ -213,7 +217,7 @@ class Tiers:
 
     def _unreserve(self, s: Session) -> None:
         for e in s.reserved.values():
-            self.index.unreserve(e)
+            self.index.unreserve(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
         s.reserved.clear()
 
     def close_session(self, s: Session) -> None:
@@ -227,7 +231,7 @@ class Tiers:
         s.handles.clear()
         for e in s.writing.values():
             self.index.unlease(e)
-            self.index.remove(e)
+            self.index.remove(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
         s.writing.clear()
         self._unreserve(s)
 
