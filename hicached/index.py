@@ -10,7 +10,7 @@ import asyncio
 import collections
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .slabs import SizeClass, SlabAllocator, slot_size
 
@@ -64,10 +64,33 @@ class Entry:
         return f"<Entry {self.ns}/{self.key[:12]} {self.state} off={self.offset} leases={self.leases}>"
 
 
+_NO_ENTRIES: dict[str, Entry] = {}
+
+
+class EntriesView:
+    """Every entry of an index, whatever its namespace: len() and values() (iterate over a copy of values()
+    to add or remove entries meanwhile)."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: PageIndex) -> None:
+        self._index = index
+
+    def __len__(self) -> int:
+        return self._index._count
+
+    def values(self) -> Iterator[Entry]:
+        return itertools.chain.from_iterable(d.values() for d in list(self._index._by_ns.values()))
+
+
 class PageIndex:
     def __init__(self, allocator: SlabAllocator) -> None:
         self.alloc = allocator
-        self.entries: dict[tuple[str, str], Entry] = {}
+        # namespace -> key -> entry. Looked up per key on every request: a dict per namespace costs half
+        # of one dict keyed by (namespace, key) tuples, which builds and hashes a tuple per lookup.
+        self._by_ns: dict[str, dict[str, Entry]] = {}
+        self._count = 0
+        self.entries = EntriesView(self)
         self._lru: dict[SizeClass, OrderedDict[tuple[str, str], Entry]] = {}
         self._by_offset: dict[int, Entry] = {}
         self._classes: dict[int, SizeClass] = {}  # page bytes -> its size class, looked up per page
@@ -81,16 +104,33 @@ class PageIndex:
         self.on_remove: Callable[[Entry], None] = lambda entry: None
 
     def get(self, ns: str, key: str) -> Entry | None:
-        return self.entries.get((ns, key))
+        d = self._by_ns.get(ns)
+        return None if d is None else d.get(key)
+
+    def ns_entries(self, ns: str) -> dict[str, Entry]:
+        """The entries of one namespace by key, for loops over many keys (read only)."""
+        return self._by_ns.get(ns, _NO_ENTRIES)
 
     def live(self, entry: Entry) -> bool:
-        return self.entries.get((entry.ns, entry.key)) is entry
+        d = self._by_ns.get(entry.ns)
+        return d is not None and d.get(entry.key) is entry
+
+    def _insert(self, entry: Entry) -> None:
+        d = self._by_ns.get(entry.ns)
+        if d is None:
+            d = self._by_ns[entry.ns] = {}
+        d[entry.key] = entry
+        self._count += 1
+
+    def _delete(self, entry: Entry) -> None:
+        del self._by_ns[entry.ns][entry.key]
+        self._count -= 1
 
     def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
         """A new entry with a slot of its own, evicting if needed; None when nothing can be freed."""
         entry = self._slot_entry(ns, key, page_bytes, state)
         if entry is not None:
-            self.entries[(ns, key)] = entry
+            self._insert(entry)
         return entry
 
     def reserve(self, ns: str, page_bytes: int) -> Entry | None:
@@ -107,7 +147,7 @@ class PageIndex:
     def bind(self, entry: Entry, key: str) -> None:
         """A reserved slot takes its key (the caller checked that the key is free)."""
         entry.key = key
-        self.entries[(entry.ns, key)] = entry
+        self._insert(entry)
         self.reserved -= 1
         self.reserved_bytes -= entry.cls.slot_bytes
 
@@ -136,15 +176,15 @@ class PageIndex:
 
         With `quarantine`, the slot is only freed that many seconds later: for a read from L3 that timed
         out, whose I/O thread may still be writing into the slot and cannot be stopped."""
-        k = (entry.ns, entry.key)
-        if self.entries.get(k) is not entry:
+        if not self.live(entry):
             return
+        k = (entry.ns, entry.key)
         if entry.in_lru:
             self._unlist(entry, k)
         if entry.in_dirty:
             del self.dirty[k]
             entry.in_dirty = False
-        del self.entries[k]
+        self._delete(entry)
         self.on_remove(entry)
         self._release_slot(entry, quarantine)
 
@@ -164,9 +204,9 @@ class PageIndex:
 
     def update(self, entry: Entry) -> None:
         """Re-file an entry after its state, leases, pin or dirty flag changed; moves it to the MRU end."""
-        k = (entry.ns, entry.key)
-        if self.entries.get(k) is not entry:
+        if not self.live(entry):
             return  # removed already (a failed fill); late lease releases must not resurrect it
+        k = (entry.ns, entry.key)
         if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
             lru = self._lru.get(entry.cls)
             if lru is None:
@@ -229,10 +269,10 @@ class PageIndex:
         lru = self._lru.get(cls)
         if not lru:
             return None
-        k, victim = lru.popitem(last=False)
+        _, victim = lru.popitem(last=False)
         victim.in_lru = False
         self.evictable_bytes -= cls.slot_bytes
-        del self.entries[k]  # evictable means clean: never in self.dirty
+        self._delete(victim)  # evictable means clean: never in self.dirty
         self.on_remove(victim)
         del self._by_offset[victim.offset]
         self.counters["evictions"] += 1
@@ -273,7 +313,7 @@ class PageIndex:
     def stats(self) -> dict:
         states = collections.Counter(e.state for e in self.entries.values())
         return {
-            "pages": len(self.entries),
+            "pages": self._count,
             "ready": states[READY],
             "writing": states[WRITING],
             "filling": states[FILLING],

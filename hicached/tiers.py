@@ -366,8 +366,9 @@ class Tiers:
 
     def _leading_l2(self, ns: str, keys: list[str]) -> list[Entry]:
         out = []
+        get = self.index.ns_entries(ns).get
         for key in keys:
-            entry = self.index.get(ns, key)
+            entry = get(key)
             if entry is None or entry.state == WRITING:
                 break
             out.append(entry)
@@ -399,9 +400,9 @@ class Tiers:
 
     def all_ready(self, s: Session, keys: list[str]) -> bool:
         """Every key is a ready page of the session's namespace in L2 (the fast path of lookups)."""
-        get, ns = self.index.entries.get, s.ns
+        get = self.index.ns_entries(s.ns).get
         for key in keys:
-            entry = get((ns, key))
+            entry = get(key)
             if entry is None or entry.state != READY:
                 return False
         return bool(keys)
@@ -409,7 +410,8 @@ class Tiers:
     def acquire_ready(self, s: Session, keys: list[str]) -> tuple[int, list[int]]:
         """acquire() for keys that all_ready() just vouched for: nothing to wait on."""
         self.last_engine_io = time.monotonic()
-        entries = [self.index.entries[(s.ns, key)] for key in keys]
+        by_key = self.index.ns_entries(s.ns)
+        entries = [by_key[key] for key in keys]
         for e in entries:
             self.index.lease(e)
         self.counters["load.pages"] += len(entries)
