@@ -91,11 +91,13 @@ class PageIndex:
         self._by_ns: dict[str, dict[str, Entry]] = {}
         self._count = 0
         self.entries = EntriesView(self)
-        self._lru: dict[SizeClass, OrderedDict[tuple[str, str], Entry]] = {}
+        # The LRU lists and the dirty list are keyed by the entries themselves (hashed by identity: cheaper
+        # than a (namespace, key) tuple built for each change).
+        self._lru: dict[SizeClass, OrderedDict[Entry, Entry]] = {}
         self._by_offset: dict[int, Entry] = {}
         self._classes: dict[int, SizeClass] = {}  # page bytes -> its size class, looked up per page
         # Dirty, ready pages in the order they became dirty: what write-back writes out first.
-        self.dirty: OrderedDict[tuple[str, str], Entry] = OrderedDict()
+        self.dirty: OrderedDict[Entry, Entry] = OrderedDict()
         self.evictable_bytes = 0
         self.reserved = 0  # slots set aside for connections' next stores, under no key yet
         self.reserved_bytes = 0
@@ -178,11 +180,10 @@ class PageIndex:
         out, whose I/O thread may still be writing into the slot and cannot be stopped."""
         if not self.live(entry):
             return
-        k = (entry.ns, entry.key)
         if entry.in_lru:
-            self._unlist(entry, k)
+            self._unlist(entry)
         if entry.in_dirty:
-            del self.dirty[k]
+            del self.dirty[entry]
             entry.in_dirty = False
         self._delete(entry)
         self.on_remove(entry)
@@ -206,44 +207,43 @@ class PageIndex:
         """Re-file an entry after its state, leases, pin or dirty flag changed; moves it to the MRU end."""
         if not self.live(entry):
             return  # removed already (a failed fill); late lease releases must not resurrect it
-        k = (entry.ns, entry.key)
         if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
             lru = self._lru.get(entry.cls)
             if lru is None:
                 lru = self._lru[entry.cls] = OrderedDict()
             if entry.in_lru:
-                lru.move_to_end(k)
+                lru.move_to_end(entry)
             else:
-                lru[k] = entry
+                lru[entry] = entry
                 entry.in_lru = True
                 self.evictable_bytes += entry.cls.slot_bytes
         elif entry.in_lru:
-            self._unlist(entry, k)
+            self._unlist(entry)
         if entry.dirty and entry.state == READY and not entry.queued:
             if not entry.in_dirty:
-                self.dirty[k] = entry
+                self.dirty[entry] = entry
                 entry.in_dirty = True
         elif entry.in_dirty:
-            del self.dirty[k]
+            del self.dirty[entry]
             entry.in_dirty = False
 
-    def _unlist(self, entry: Entry, k: tuple[str, str]) -> None:
-        del self._lru[entry.cls][k]
+    def _unlist(self, entry: Entry) -> None:
+        del self._lru[entry.cls][entry]
         entry.in_lru = False
         self.evictable_bytes -= entry.cls.slot_bytes
 
-    def lru_lists(self) -> list[OrderedDict[tuple[str, str], Entry]]:
+    def lru_lists(self) -> list[OrderedDict[Entry, Entry]]:
         """The evictable pages of each size class, least recently used first."""
         return list(self._lru.values())
 
     def touch(self, entry: Entry) -> None:
         if entry.in_lru:
-            self._lru[entry.cls].move_to_end((entry.ns, entry.key))
+            self._lru[entry.cls].move_to_end(entry)
 
     def lease(self, entry: Entry) -> None:
         entry.leases += 1
         if entry.leases == 1 and entry.in_lru:
-            self._unlist(entry, (entry.ns, entry.key))  # a leased page is not evictable; nothing else changes
+            self._unlist(entry)  # a leased page is not evictable; nothing else changes
 
     def unlease(self, entry: Entry) -> None:
         entry.leases -= 1

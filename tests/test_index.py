@@ -46,7 +46,7 @@ def slabs_of(idx: PageIndex, size: int) -> int:
 
 
 def lru_keys(idx: PageIndex, size: int) -> list[str]:
-    return [k for (_, k) in idx._lru.get(idx.alloc.size_class(size), {})]
+    return [e.key for e in idx._lru.get(idx.alloc.size_class(size), {})]
 
 
 # Allocation and removal.
@@ -423,7 +423,7 @@ def test_dirty_tracks_dirty_ready_unqueued_entries_in_order(idx: PageIndex) -> N
     assert list(idx.dirty.values()) == [e2, e1, e3]
     e1.queued = True
     idx.update(e1)
-    assert list(idx.dirty) == [(NS, e2.key), (NS, e3.key)]
+    assert list(idx.dirty) == [e2, e3]
     e1.queued = False
     e1.dirty = False
     e1.in_l3 = True
