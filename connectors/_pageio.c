@@ -386,9 +386,72 @@ static PyObject *write_pages(PyObject *self, PyObject *args) {
     return answer(&b, ran, added, &stop);
 }
 
+PyDoc_STRVAR(copy_pages_doc,
+             "copy_pages(pool, offsets, size, pages, into_pool) -> None\n\n"
+             "Copies `size` bytes between each page buffer and the pool at its offset (into the pool with\n"
+             "into_pool, out of it otherwise), every page with the GIL released once. The client's store and\n"
+             "load: one call a segment instead of a numpy view and a copyto per page (~2 us each). Every\n"
+             "buffer and offset is checked before any byte moves.");
+
+static PyObject *copy_pages(PyObject *self, PyObject *args) {
+    Py_buffer pool;
+    PyObject *offsets, *pages;
+    Py_ssize_t size;
+    int into_pool;
+    if (!PyArg_ParseTuple(args, "w*OnOp", &pool, &offsets, &size, &pages, &into_pool)) return NULL;
+    PyObject *out = NULL;
+    Py_buffer *bufs = NULL;
+    Py_ssize_t *offs = NULL, n = 0, got = 0;
+    if (!PyList_Check(offsets) || !PyList_Check(pages) || PyList_GET_SIZE(offsets) != PyList_GET_SIZE(pages)) {
+        PyErr_SetString(PyExc_ValueError, "offsets and pages must be lists of one length");
+        goto done;
+    }
+    n = PyList_GET_SIZE(pages);
+    bufs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+    offs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_ssize_t));
+    if (bufs == NULL || offs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        Py_ssize_t off = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, got));
+        if (off == -1 && PyErr_Occurred()) goto done;
+        if (size < 0 || off < 0 || off > pool.len - size) {
+            PyErr_Format(PyExc_ValueError, "a page of %zd bytes at offset %zd is outside the pool", size, off);
+            goto done;
+        }
+        offs[got] = off;
+        int flags = (into_pool ? PyBUF_SIMPLE : PyBUF_WRITABLE) | PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(pages, got), &bufs[got], flags) != 0) goto done;
+        if (bufs[got].len != size) {
+            PyErr_Format(PyExc_ValueError, "page %zd has %zd bytes, not %zd", got, bufs[got].len, size);
+            got++; /* its buffer is held: released below */
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *slot = (char *)pool.buf + offs[i];
+        if (into_pool)
+            memcpy(slot, bufs[i].buf, (size_t)size);
+        else
+            memcpy(bufs[i].buf, slot, (size_t)size);
+    }
+    Py_END_ALLOW_THREADS
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(offs);
+    PyBuffer_Release(&pool);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"read_pages", read_pages, METH_VARARGS, read_pages_doc},
     {"write_pages", write_pages, METH_VARARGS, write_pages_doc},
+    {"copy_pages", copy_pages, METH_VARARGS, copy_pages_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,6 +19,11 @@ from .client_regions import RegionOps
 from .errors import BAD_REQUEST, CONNECTION, HicachedError
 from .keys import check_namespace
 
+try:  # the compiled part (setup.py); without it, pages are copied with numpy, one call per page
+    from connectors._pageio import copy_pages as _copy_pages
+except ImportError:
+    _copy_pages = None
+
 Op = Generator[dict[str, Any], dict[str, Any] | None, Any]
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
@@ -157,6 +162,22 @@ class _Ops(RegionOps):
             raise HicachedError(CONNECTION, "the client is closed")
         return self._pool[offset : offset + self.page_bytes]
 
+    def _copy(self, offsets: list[int], pages: list[Any], into_pool: bool) -> None:
+        """Copies each page into (or out of) the pool's slot at its offset: in one C call with the GIL
+        released where connectors._pageio is built (~0.3 us a page, against ~2.4 us for a numpy view and
+        copyto), else page by page with numpy."""
+        if self._mm is None:
+            raise HicachedError(CONNECTION, "the client is closed")
+        if _copy_pages is not None:
+            _copy_pages(self._mm, offsets, self.page_bytes, pages, into_pool)
+            return
+        for off, page in zip(offsets, pages, strict=True):
+            src = np.frombuffer(page, dtype=np.uint8) if type(page) is bytes else page
+            if into_pool:
+                np.copyto(self._slot(off), src)
+            else:
+                np.copyto(page, self._slot(off))
+
     def op_hello(self) -> Op:
         return (yield {"op": "hello", "namespace": self.namespace, "page_bytes": self.page_bytes})
 
@@ -170,8 +191,7 @@ class _Ops(RegionOps):
         if not keys:
             return []
         # Every page is checked before anything is sent (a bad one must not cost L2 any page). Pages that
-        # are bytes of the right length need no more than that check here: their numpy views (~1 us
-        # each) are made while the daemon answers.
+        # are bytes of the right length need no more than that check.
         nbytes = self.page_bytes
         srcs: list[Any] = [
             p if type(p) is bytes and len(p) == nbytes else _as_bytes_array(p, nbytes, False, f"page {i}")
@@ -193,15 +213,20 @@ class _Ops(RegionOps):
             bounds = [(0, cut), *([(cut, r)] if cut < r else []), *bounds]
         want = self._refill_wanted(n)
         reqs: list[dict[str, Any]] = [{"op": "alloc", "keys": keys[lo:hi]} for lo, hi in bounds if lo >= r]
-        if want:
+        # The refill of the slots held ahead goes out with the allocations (one write), or, for a store
+        # with none, right after its first put: then the daemon answers that put first, and the store wakes
+        # it twice, not three times. Either way it is answered before the call ends.
+        late = None
+        if want and reqs:
             reqs.append({"op": "reserve", "n": want})
+        elif want:
+            late = {"op": "reserve", "n": want}
         tickets = []
         for i, req in enumerate(reqs):
             tickets.append((yield (_SendNow if i == len(reqs) - 1 else _Send)(req)))  # one write
-        refill = tickets.pop() if want else None
+        refill = tickets.pop() if want and late is None else None
         allocs = iter(tickets)
         segs = [(lo, hi, None if hi <= r else next(allocs)) for lo, hi in bounds]
-        srcs = [np.frombuffer(p, dtype=np.uint8) if type(p) is bytes else p for p in srcs]
         result = [False] * n
         slot: dict[int, int] = dict(enumerate(spare))  # index into keys -> the slot its page goes to
         taken: list[int] = []  # indices given slots by alloc: WRITING on the daemon until committed
@@ -225,12 +250,16 @@ class _Ops(RegionOps):
                 if si == len(segs) - 1 and lo > sent:
                     # Before the last segment is copied: the pages so far are committed meanwhile, and only
                     # the last segment's commit is left for the client to wait on.
-                    acks += yield from self._store_acks(keys, spare, range(sent, lo), slot, now=True)
+                    acks += yield from self._store_acks(keys, spare, range(sent, lo), slot, now=late is None)
                     sent = lo
-                for i in mine:
-                    np.copyto(self._slot(slot[i]), srcs[i])
+                    if late is not None:
+                        refill, late = (yield _SendNow(late)), None
+                if mine:
+                    self._copy([slot[i] for i in mine], [srcs[i] for i in mine], True)
             acks += yield from self._store_acks(keys, spare, range(sent, n), slot, now=False)
             sent = n
+            if late is not None:
+                refill, late = (yield _Send(late)), None
         except BaseException:
             if taken:
                 yield _NoReply(op="abort", keys=[keys[i] for i in taken])
@@ -364,8 +393,7 @@ class _Ops(RegionOps):
         if not offsets:
             return 0
         try:
-            for dst, off in zip(dsts, offsets, strict=False):
-                np.copyto(dst, self._slot(off))
+            self._copy(offsets, dsts[: len(offsets)], False)
         finally:
             yield _NoReply(op="release", lease=ans["lease"])
         return len(offsets)

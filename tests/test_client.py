@@ -17,10 +17,23 @@ import config
 from hicached import protocol
 from hicached.client import AsyncClient, Client
 from hicached.client_ops import _as_bytes_array
+from hicached.client_ops import _copy_pages as client_ops_native
 from hicached.daemon import Daemon
 from hicached.errors import HicachedError
 
 PAGE = 32 * 1024
+
+# The client's page copies: connectors._pageio.copy_pages, and the numpy path used where it is not built.
+COPY_PATHS = [
+    pytest.param(
+        True,
+        id="native",
+        marks=pytest.mark.skipif(
+            client_ops_native is None, reason="connectors._pageio is not built (no C compiler at install)"
+        ),
+    ),
+    pytest.param(False, id="numpy"),
+]
 
 
 def daemon_cfg(tmp_path, **storage):
@@ -136,6 +149,14 @@ def test_stores_copy_into_slots_held_ahead(threaded_daemon, monkeypatch):
         return real_send(self, req, held)
 
     monkeypatch.setattr(Client, "_send", send)
+    writes: list[int] = []
+    real_write = Client._write
+
+    def write(self, held):
+        writes.append(len(held))
+        return real_write(self, held)
+
+    monkeypatch.setattr(Client, "_write", write)
     keys = [f"ahead{i}" for i in range(100)]
     pages = [os.urandom(PAGE) for _ in keys]
     with Client(sock, "ahead.ns", PAGE) as c:
@@ -144,8 +165,10 @@ def test_stores_copy_into_slots_held_ahead(threaded_daemon, monkeypatch):
         held = len(c._ops._reserved)
         assert c.stats()["pool"]["reserved"] == held == 16
         ops.clear()
+        writes.clear()
         assert c.store(keys[16:32], pages[16:32]) == [True] * 16
-        assert ops == ["reserve", "put", "put"]  # the refill goes out first; two puts, no alloc
+        assert ops == ["put", "reserve", "put"]  # two puts, no alloc
+        assert writes == [2, 1]  # the refill goes out right after the first put: two writes in all
         # More pages than the slots held ahead: the first go there, the others are allocated.
         n = c._ops._reserve_limit // 2 + 8
         assert 32 + n <= len(keys)
@@ -222,16 +245,23 @@ def test_store_refused_while_draining_collects_each_answer_once(threaded_daemon,
         assert c.get(keys) == pages
 
 
-def test_tensors_and_arrays_as_pages_and_buffers(threaded_daemon):
+@pytest.mark.parametrize("native", COPY_PATHS)
+def test_tensors_and_arrays_as_pages_and_buffers(threaded_daemon, monkeypatch, native):
+    import hicached.client_ops as client_ops
+
+    if not native:
+        monkeypatch.setattr(client_ops, "_copy_pages", None)
     sock = threaded_daemon.server.path
-    with Client(sock, "tensor.ns", PAGE) as c:
+    with Client(sock, f"tensor.{native}", PAGE) as c:
         t = torch.randn(PAGE // 2, dtype=torch.bfloat16)
         a = np.arange(PAGE // 4, dtype=np.int32)
-        assert c.store(["t", "a"], [t, a]) == [True, True]
+        b = os.urandom(PAGE)
+        assert c.store(["t", "a", "b"], [t, a, b]) == [True, True, True]
         out_t = torch.empty(PAGE // 2, dtype=torch.bfloat16)
         out_a = np.empty(PAGE // 4, dtype=np.int32)
-        assert c.load(["t", "a"], [out_t, out_a]) == 2
-        assert torch.equal(out_t, t) and np.array_equal(out_a, a)
+        out_b = bytearray(PAGE)
+        assert c.load(["t", "a", "b", "missing"], [out_t, out_a, out_b, bytearray(PAGE)]) == 3
+        assert torch.equal(out_t, t) and np.array_equal(out_a, a) and out_b == b
 
 
 def test_client_side_checks():
@@ -269,16 +299,36 @@ class _FailingCopies:
         np.copyto(dst, src)
 
 
-def test_store_failing_half_way_leaves_no_slot_taken(threaded_daemon, monkeypatch):
-    # 40 pages go in 4 chunks whose allocations are sent together; the copy fails in the third chunk.
-    # Nothing is committed: every slot allocated to the call is given back, whichever chunk it is in.
+def _fail_copies(monkeypatch, fail_at: int, native: bool) -> None:
+    """Makes the client's page copies fail from the `fail_at`-th page on: in connectors._pageio's
+    copy_pages (one call a segment; the pages before the failing one are copied) or, without it, in numpy."""
     import hicached.client_ops as client_ops
 
+    if not native:
+        monkeypatch.setattr(client_ops, "_copy_pages", None)
+        monkeypatch.setattr(client_ops, "np", _FailingCopies(fail_at))
+        return
+    real, copied = client_ops._copy_pages, [0]
+
+    def copy_pages(pool, offsets, size, pages, into_pool):
+        keep = max(0, min(len(pages), fail_at - 1 - copied[0]))
+        real(pool, offsets[:keep], size, pages[:keep], into_pool)
+        copied[0] += keep
+        if keep < len(pages):
+            raise MemoryError("injected failure in the middle of a store")
+
+    monkeypatch.setattr(client_ops, "_copy_pages", copy_pages)
+
+
+@pytest.mark.parametrize("native", COPY_PATHS)
+def test_store_failing_half_way_leaves_no_slot_taken(threaded_daemon, monkeypatch, native):
+    # 40 pages go in 4 chunks whose allocations are sent together; the copy fails in the third chunk.
+    # Nothing is committed: every slot allocated to the call is given back, whichever chunk it is in.
     keys = [f"half{i}" for i in range(40)]
     pages = [os.urandom(PAGE) for _ in keys]
     with Client(threaded_daemon.server.path, "half.ns", PAGE) as c:
         assert c.store(keys[:5], pages[:5]) == [True] * 5  # already there: never copied again
-        monkeypatch.setattr(client_ops, "np", _FailingCopies(fail_at=20))
+        _fail_copies(monkeypatch, 20, native)
         with pytest.raises(MemoryError):
             c.store(keys, pages)
         monkeypatch.undo()
@@ -290,16 +340,15 @@ def test_store_failing_half_way_leaves_no_slot_taken(threaded_daemon, monkeypatc
         assert c.get(keys) == pages
 
 
-async def test_async_store_failing_half_way_leaves_no_slot_taken(tmp_path, monkeypatch):
-    import hicached.client_ops as client_ops
-
+@pytest.mark.parametrize("native", COPY_PATHS)
+async def test_async_store_failing_half_way_leaves_no_slot_taken(tmp_path, monkeypatch, native):
     d = Daemon(daemon_cfg(tmp_path))
     await d.startup()
     try:
         keys = [f"half{i}" for i in range(40)]
         pages = [os.urandom(PAGE) for _ in keys]
         async with AsyncClient(d.server.path, "half.ns", PAGE) as c:
-            monkeypatch.setattr(client_ops, "np", _FailingCopies(fail_at=25))
+            _fail_copies(monkeypatch, 25, native)
             with pytest.raises(MemoryError):
                 await c.store(keys, pages)
             monkeypatch.undo()
@@ -314,3 +363,35 @@ async def test_async_store_failing_half_way_leaves_no_slot_taken(tmp_path, monke
     finally:
         d.handle_signal(signal.SIGTERM)
         await d.shutdown()
+
+
+@pytest.mark.skipif(client_ops_native is None, reason="connectors._pageio is not built (no C compiler)")
+def test_copy_pages_checks_every_page_before_moving_a_byte():
+    import mmap
+
+    from connectors._pageio import copy_pages
+
+    mm = mmap.mmap(-1, 1 << 16)
+    pages = [bytes([i + 1]) * 4096 for i in range(3)]
+    copy_pages(mm, [8192, 0, 61440], 4096, pages, True)
+    assert mm[0:4096] == pages[1] and mm[8192:12288] == pages[0] and mm[61440:] == pages[2]
+    out = [bytearray(4096), np.empty(1024, dtype=np.int32)]
+    copy_pages(mm, [61440, 8192], 4096, out, False)
+    assert out[0] == pages[2] and out[1].tobytes() == pages[0]
+    before = mm[:]
+    bad = [
+        ([0, 1 << 16], [pages[0], pages[1]], ValueError),  # past the end: the first page is not copied
+        ([0, -4096], [pages[0], pages[1]], ValueError),
+        ([0, 4096], [pages[0], b"short"], ValueError),
+        ([0], [pages[0], pages[1]], ValueError),
+        ([0, "x"], [pages[0], pages[1]], TypeError),
+        ([0], [object()], TypeError),
+    ]
+    for offsets, srcs, err in bad:
+        with pytest.raises(err):
+            copy_pages(mm, offsets, 4096, srcs, True)
+    assert mm[:] == before
+    with pytest.raises(BufferError):
+        copy_pages(mm, [0], 4096, [bytes(4096)], False)  # a read-only destination
+    with pytest.raises(TypeError):
+        copy_pages(bytes(1 << 16), [0], 4096, [pages[0]], True)  # a read-only pool
