@@ -48,8 +48,9 @@ class PoolConfig:
     # Pins keep pages in L2 across evictions; bounded so that pins cannot starve stores.
     max_pinned_fraction: float = 0.5
     # Slots each connection may hold ahead for its next stores, so that a store copies at once instead of
-    # first waiting for slots (one round trip fewer). 0 turns it off. Bounded over all connections too.
-    reserve_per_connection: Size = 8 * MiB
+    # first waiting for slots (one round trip fewer). A store takes up to half of them, so 32 MiB covers a
+    # call of 64 pages of 256 KiB. 0 turns it off. Bounded over all connections too.
+    reserve_per_connection: Size = 32 * MiB
     reserve_max_fraction: float = 0.125
 
 

@@ -130,21 +130,29 @@ class PageIndex:
 
     def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
         """A new entry with a slot of its own, evicting if needed; None when nothing can be freed."""
-        entry = self._slot_entry(ns, key, page_bytes, state)
-        if entry is not None:
-            self._insert(entry)
-        return entry
+        cls = self.size_class(page_bytes)
+        offset = self.alloc.alloc(cls)
+        if offset is None:
+            cls, offsets = self.take_slots(page_bytes, 1)
+            if not offsets:
+                return None
+            offset = offsets[0]
+        return self.entry_at(ns, key, page_bytes, cls, offset, state)
 
-    def reserve(self, ns: str, page_bytes: int) -> Entry | None:
-        """A slot set aside for a connection's next stores (hicached.tiers.Tiers.reserve): a WRITING entry
-        under no key yet, leased, so that neither eviction nor a slab move takes it. None when nothing can
-        be freed."""
-        entry = self._slot_entry(ns, "", page_bytes, WRITING)
-        if entry is not None:
+    def reserve(self, ns: str, page_bytes: int, n: int) -> list[Entry]:
+        """Up to `n` slots set aside for a connection's next stores (hicached.tiers.Tiers.reserve): WRITING
+        entries under no key yet, leased, so that neither eviction nor a slab move takes them. Fewer when
+        nothing more can be freed."""
+        cls, offsets = self.take_slots(page_bytes, n)
+        out = []
+        for offset in offsets:
+            entry = Entry(ns, "", offset, page_bytes, cls, WRITING)
             entry.leases = 1
-            self.reserved += 1
-            self.reserved_bytes += entry.cls.slot_bytes
-        return entry
+            self._by_offset[offset] = entry
+            out.append(entry)
+        self.reserved += len(out)
+        self.reserved_bytes += len(out) * cls.slot_bytes
+        return out
 
     def bind(self, entry: Entry, key: str) -> None:
         """A reserved slot takes its key (the caller checked that the key is free)."""
@@ -159,19 +167,46 @@ class PageIndex:
         self.reserved_bytes -= entry.cls.slot_bytes
         self._release_slot(entry, quarantine)
 
-    def _slot_entry(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
+    def size_class(self, page_bytes: int) -> SizeClass:
         cls = self._classes.get(page_bytes)
         if cls is None:
             cls = self._classes[page_bytes] = self.alloc.size_class(slot_size(page_bytes))
-        offset = self.alloc.alloc(cls)
-        if offset is None:
-            offset = self._reclaim(cls)
-            if offset is None:
-                self.counters["alloc_failures"] += 1
-                return None
+        return cls
+
+    def take_slots(self, page_bytes: int, n: int) -> tuple[SizeClass, list[int]]:
+        """Up to `n` slots for pages of `page_bytes`, evicting as needed; fewer when nothing more can be
+        freed. What n allocations would take, with a full pool's work (an eviction for each page taken
+        in) done in one loop. The caller turns every slot into an entry (entry_at) or gives it back
+        (give_back) before anything else allocates: until then the slot belongs to no entry."""
+        cls = self.size_class(page_bytes)
+        out = self.alloc.alloc_many(cls, n)
+        while len(out) < n:
+            share = self.alloc.fair_share(cls)
+            if len(cls.slabs) < share and self._steal_slab(cls, share):
+                out += self.alloc.alloc_many(cls, n - len(out))
+                continue
+            evicted = self._evict(cls, n - len(out))
+            if evicted:
+                out += evicted
+                continue
+            if self._steal_slab(cls, share):
+                out += self.alloc.alloc_many(cls, n - len(out))
+                continue
+            self.counters["alloc_failures"] += 1
+            break
+        return cls, out
+
+    def entry_at(self, ns: str, key: str, page_bytes: int, cls: SizeClass, offset: int, state: str) -> Entry:
+        """A new entry under `key` in a slot from take_slots."""
         entry = Entry(ns, key, offset, page_bytes, cls, state)
         self._by_offset[offset] = entry
+        self._insert(entry)
         return entry
+
+    def give_back(self, cls: SizeClass, offsets: list[int]) -> None:
+        """Slots from take_slots that became no entry."""
+        for offset in offsets:
+            self.alloc.free(cls, offset)
 
     def remove(self, entry: Entry, quarantine: float = 0.0) -> None:
         """Drops the entry and frees its slot. The caller makes sure nobody holds a lease on it.
@@ -205,7 +240,8 @@ class PageIndex:
 
     def update(self, entry: Entry) -> None:
         """Re-file an entry after its state, leases, pin or dirty flag changed; moves it to the MRU end."""
-        if not self.live(entry):
+        d = self._by_ns.get(entry.ns)  # live(), inlined: this runs for every page taken in or let go
+        if d is None or d.get(entry.key) is not entry:
             return  # removed already (a failed fill); late lease releases must not resurrect it
         if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
             lru = self._lru.get(entry.cls)
@@ -252,31 +288,27 @@ class PageIndex:
 
     # Eviction and slab rebalancing.
 
-    def _reclaim(self, cls: SizeClass) -> int | None:
-        share = self.alloc.fair_share(cls)
-        if len(cls.slabs) < share and self._steal_slab(cls, share):
-            return self.alloc.alloc(cls)
-        offset = self._evict_one(cls)
-        if offset is not None:
-            return offset
-        if self._steal_slab(cls, share):
-            return self.alloc.alloc(cls)
-        return None
-
-    def _evict_one(self, cls: SizeClass) -> int | None:
-        """Evicts the least recently used page of `cls` and hands its slot over as it is (still counted as
-        used): remove() + free() + alloc() in one step, as it runs for every page a full pool takes in."""
+    def _evict(self, cls: SizeClass, n: int) -> list[int]:
+        """Evicts up to `n` of the least recently used pages of `cls` and hands their slots over as they
+        are (still counted as used): remove() + free() + alloc() in one step, as it runs for every page a
+        full pool takes in."""
         lru = self._lru.get(cls)
         if not lru:
-            return None
-        _, victim = lru.popitem(last=False)
-        victim.in_lru = False
-        self.evictable_bytes -= cls.slot_bytes
-        self._delete(victim)  # evictable means clean: never in self.dirty
-        self.on_remove(victim)
-        del self._by_offset[victim.offset]
-        self.counters["evictions"] += 1
-        return victim.offset
+            return []
+        n = min(n, len(lru))
+        pop, by_ns, by_offset, on_remove = lru.popitem, self._by_ns, self._by_offset, self.on_remove
+        out = []
+        for _ in range(n):
+            _, victim = pop(last=False)
+            victim.in_lru = False
+            del by_ns[victim.ns][victim.key]  # evictable means clean: never in self.dirty
+            on_remove(victim)
+            del by_offset[victim.offset]
+            out.append(victim.offset)
+        self._count -= n
+        self.evictable_bytes -= n * cls.slot_bytes
+        self.counters["evictions"] += n
+        return out
 
     def _steal_slab(self, cls: SizeClass, share: int) -> bool:
         """Take a whole slab of evictable pages from the class holding the most slabs above its share."""

@@ -11,6 +11,7 @@ import asyncio
 import collections
 import itertools
 import logging
+from typing import Any
 
 from config.schema import batch_size
 from connectors.base import BackendError
@@ -97,25 +98,52 @@ class Prefetcher:
         With `lease`, every entry returned also holds a lease for the caller."""
         if self.backend.current is None:
             return []
-        out: list[Entry] = []
-        new: list[tuple[int, Entry]] = []
+        index = self.index
+        # First the keys as they stand: those in L2 or being read are leased at once (no slot taken below
+        # may evict a page this call hands back); those missing are counted, up to the queue bound.
+        out: list[Any] = []  # an entry, or the key of a missing page until its entry is made
+        missing: list[int] = []  # positions in out
+        get = index.ns_entries(ns).get  # read only, and nothing is added before the second loop
         for pos, key in enumerate(keys):
-            entry = self.index.get(ns, key)
+            entry = get(key)
             if entry is None:
-                if self.pending + len(new) >= self.queue_pages:
+                if self.pending + len(missing) >= self.queue_pages:
                     self.counters["prefetch.dropped"] += len(keys) - pos
                     break
-                entry = self.index.allocate(ns, key, page_bytes, FILLING)
-                if entry is None:
-                    self.counters["prefetch.no_space"] += len(keys) - pos
-                    break
-                self.index.lease(entry)  # held by the fetch until the read ends
-                new.append((first + pos, entry))
+                missing.append(pos)
+                out.append(key)
             elif entry.state == WRITING:
                 break
-            if lease:  # at once: an allocation further on must not evict a page this call hands back
-                self.index.lease(entry)
-            out.append(entry)
+            else:
+                index.lease(entry)
+                out.append(entry)
+        # Then the slots for the missing pages, all in one go (a full pool evicts one page for each).
+        new: list[tuple[int, Entry]] = []
+        if missing:
+            cls, slots = index.take_slots(page_bytes, len(missing))
+            slots.reverse()
+            # The same key twice in one call: its entry is made by its second place (seldom: then look).
+            twice = len({out[pos] for pos in missing}) < len(missing)
+            for pos in missing:
+                key = out[pos]
+                entry = index.get(ns, key) if twice else None
+                if entry is None:
+                    if not slots:
+                        self.counters["prefetch.no_space"] += len(keys) - pos
+                        for e in out[pos:]:  # pages found after the first that found no slot
+                            if type(e) is Entry:
+                                index.unlease(e)
+                        del out[pos:]
+                        break
+                    entry = index.entry_at(ns, key, page_bytes, cls, slots.pop(), FILLING)
+                    index.lease(entry)  # held by the fetch until the read ends
+                    new.append((first + pos, entry))
+                index.lease(entry)  # as for the pages found above
+                out[pos] = entry
+            index.give_back(cls, slots)
+        if not lease:  # the leases taken above only guarded the pages while slots were taken
+            for entry in out:
+                index.unlease(entry)
         if new:
             req = req or _Request()
             self.pending += len(new)

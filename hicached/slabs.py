@@ -51,6 +51,17 @@ class SlabAllocator:
         cls.used += 1
         return cls.free.pop()
 
+    def alloc_many(self, cls: SizeClass, n: int) -> list[int]:
+        """Up to `n` free slots of `cls` (taking free slabs as needed), in the order n alloc() calls would
+        hand them out; fewer when neither free slots nor free slabs are left."""
+        out: list[int] = []
+        while len(out) < n and (cls.free or self._grow(cls)):
+            k = min(n - len(out), len(cls.free))
+            out += cls.free[: -k - 1 : -1]
+            del cls.free[-k:]
+        cls.used += len(out)
+        return out
+
     def free(self, cls: SizeClass, offset: int) -> None:
         cls.used -= 1
         cls.free.append(offset)

@@ -312,14 +312,13 @@ class Tiers:
         every = int(self.cfg.pool.reserve_max_fraction * self.index.alloc.capacity)
         limit = min(self.cfg.pool.reserve_per_connection, every) // slot
         n = min(n, limit - len(s.reserved), (every - self.index.reserved_bytes) // slot)
+        entries = self.index.reserve(s.ns, s.page_bytes, n) if n > 0 else []
+        if len(entries) < n:
+            self.counters["store.no_space"] += 1
+            if self.write_back:
+                self._pressure.set()
         offsets = []
-        for _ in range(n):
-            entry = self.index.reserve(s.ns, s.page_bytes)
-            if entry is None:
-                self.counters["store.no_space"] += 1
-                if self.write_back:
-                    self._pressure.set()
-                break
+        for entry in entries:
             s.reserved[entry.offset] = entry
             offsets.append(entry.offset)
         return offsets, limit

@@ -612,8 +612,8 @@ def test_reserved_slots_are_never_evicted_nor_moved(idx: PageIndex) -> None:
     a_pages = fill(idx, A, "a")
     for e in a_pages[: SLAB // A]:
         idx.remove(e)
-    spare = idx.reserve(NS, A)
-    assert spare is not None and idx.alloc.slab_of(spare.offset) == 0
+    (spare,) = idx.reserve(NS, A, 1)
+    assert idx.alloc.slab_of(spare.offset) == 0
     assert idx.reserved == 1 and idx.reserved_bytes == A
     for e in a_pages[SLAB // A :]:
         idx.lease(e)
@@ -622,8 +622,53 @@ def test_reserved_slots_are_never_evicted_nor_moved(idx: PageIndex) -> None:
     assert idx.stats()["pages"] == len(a_pages) - SLAB // A  # a reserved slot is no page yet
     idx.bind(spare, key(9, "r"))
     assert idx.get(NS, key(9, "r")) is spare and idx.reserved == 0 and idx.reserved_bytes == 0
-    other = idx.reserve(NS, A)
-    assert other is not None
+    (other,) = idx.reserve(NS, A, 1)
     used = idx.stats()["used_bytes"]
     idx.unreserve(other)
     assert idx.stats()["used_bytes"] == used - A and idx.reserved == 0
+
+
+# Slots taken many at a time (prefetch, reserve): the same slots, in the same order, as one at a time.
+
+
+def test_alloc_many_hands_out_what_successive_allocs_would() -> None:
+    one, many = SlabAllocator(NSLABS * SLAB, SLAB), SlabAllocator(NSLABS * SLAB, SLAB)
+    c1, c2 = one.size_class(A), many.size_class(A)
+    singles = [one.alloc(c1) for _ in range(7)]
+    assert many.alloc_many(c2, 3) + many.alloc_many(c2, 4) == singles  # across a slab boundary
+    assert c2.used == 7 and c2.free == c1.free
+    everything = many.alloc_many(c2, 1000)
+    assert len(everything) == NSLABS * SLAB // A - 7 and many.alloc_many(c2, 1) == []
+    assert c2.used == NSLABS * SLAB // A
+
+
+def test_take_slots_evicts_in_lru_order_and_stops_at_what_can_be_freed(idx: PageIndex) -> None:
+    pages = fill(idx, A, "a")
+    idx.touch(pages[0])  # now the most recently used
+    removed: list[Entry] = []
+    idx.on_remove = removed.append
+    for e in pages[-3:]:
+        idx.lease(e)
+    want = len(pages) - 3  # all but the leased ones can go
+    cls, slots = idx.take_slots(A, want + 5)
+    assert len(slots) == want
+    assert [e.key for e in removed] == [e.key for e in pages[1:-3]] + [pages[0].key]
+    assert slots == [e.offset for e in removed]
+    assert idx.stats()["pages"] == 3 and idx.evictable_bytes == 0
+    assert idx.counters["evictions"] == want and idx.counters["alloc_failures"] == 1
+    assert idx.get(NS, pages[0].key) is None and idx.get(NS, pages[-1].key) is pages[-1]
+    entries = [idx.entry_at(NS, key(i, "n"), A, cls, o, FILLING) for i, o in enumerate(slots[:2])]
+    idx.give_back(cls, slots[2:])
+    assert [idx.get(NS, key(i, "n")) for i in range(2)] == entries
+    assert idx.stats()["used_bytes"] == 5 * A  # 3 leased + 2 new; the rest free again
+    again = idx.take_slots(A, want - 2)[1]
+    assert sorted(again) == sorted(slots[2:])  # from the free list, no eviction
+    assert idx.counters["evictions"] == want
+
+
+def test_take_slots_takes_a_slab_from_a_class_above_its_share(idx: PageIndex) -> None:
+    fill(idx, A, "a")  # class A holds every slab
+    cls, slots = idx.take_slots(B, 3)  # class B has no slab: it is entitled to half of them
+    assert len(slots) == 3 and slabs_of(idx, B) == 2 and idx.counters["slab_moves"] == 2
+    assert {idx.alloc.slab_of(o) for o in slots} == {idx.alloc.slab_of(slots[0]), idx.alloc.slab_of(slots[2])}
+    assert idx.counters["evictions"] == 2 * SLAB // A

@@ -12,6 +12,7 @@ from connectors.base import BackendUnavailable
 from connectors.file import FileConnector
 from hicached import tiers as tiers_mod
 from hicached.errors import HicachedError
+from hicached.index import READY
 from hicached.pool import Pool
 from hicached.protocol import (
     ALLOC_BUSY,
@@ -278,6 +279,64 @@ async def test_concurrent_prefetches_of_one_key_are_merged(tmp_path):
         assert await t.wait(s2, h2, 10) == 8
         assert t.counters["prefetch.pages"] == 8  # each page read once
         assert t.index.stats()["leased"] == 0
+    finally:
+        await close_tiers(t)
+
+
+async def test_a_fetch_takes_its_slots_in_one_go_and_leaves_nothing_behind(tmp_path):
+    # Prefetcher.fetch finds what is in L2 (leased at once), then takes the slots for the rest in one go.
+    # The same key twice gets one entry; a pool that runs out cuts the call there, and what it found after
+    # that point, or took and did not use, is given back; without `lease` no lease is left behind.
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        slots = t.index.alloc.nslabs * (t.cfg.pool.slab_size // PAGE)
+        keys = [f"f{i}" for i in range(12)]
+        write(t, s, keys)
+        assert await t.backup.drain(10)
+        for k in keys[4:]:
+            t.index.remove(t.index.get("ns1", k))
+        asked = keys[:6] + [keys[5], keys[1]] + keys[6:]  # f5 and f1 twice
+        got = t.prefetcher.fetch("ns1", asked, PAGE, 0, lease=True)
+        assert [e.key for e in got] == asked
+        assert got[5] is got[6] and got[1] is got[7]
+        assert t.prefetcher.pending == 8  # f4..f11, each read once
+        await asyncio.gather(*{e.fill for e in got if e.fill is not None})
+        assert all(e.state == READY for e in got)
+        assert got[1].leases == 2 and got[5].leases == 2 and got[0].leases == 1  # one per place asked
+        for e in got:
+            t.index.unlease(e)
+        assert t.index.stats()["leased"] == 0
+        # Without `lease` (the warmup's way): nothing stays leased.
+        more = [f"g{i}" for i in range(4)]
+        write(t, s, more)
+        assert await t.backup.drain(10)
+        for k in more:
+            t.index.remove(t.index.get("ns1", k))
+        got = t.prefetcher.fetch("ns1", keys[:2] + more, PAGE, 0)
+        await asyncio.gather(*{e.fill for e in got if e.fill is not None})
+        assert len(got) == 6 and t.index.stats()["leased"] == 0
+        # A pool with room for 2 more pages: the call stops at the third missing key. The page found
+        # after it (f0) is not handed back and keeps no lease; the slots taken are all in use.
+        gone = [f"x{i}" for i in range(3)]
+        write(t, s, gone)  # written to L3, then out of L2 again
+        assert await t.backup.drain(10)
+        for k in gone:
+            t.index.remove(t.index.get("ns1", k))
+        held = [f"h{i}" for i in range(slots - 2 - 16)]
+        write(t, s, held)
+        lease, _ = await t.acquire(s, keys + more + held, fetch=False)
+        assert t.index.stats()["pages"] == slots - 2
+        got = t.prefetcher.fetch("ns1", [keys[1], *gone, keys[0]], PAGE, 0, lease=True)
+        assert [e.key for e in got] == [keys[1], "x0", "x1"]
+        assert t.prefetcher.counters["prefetch.no_space"] == 2
+        await asyncio.gather(*{e.fill for e in got if e.fill is not None})
+        for e in got:
+            t.index.unlease(e)
+        t.release(s, lease)
+        assert await t.backup.drain(10)
+        assert t.index.stats()["leased"] == 0 and t.index.stats()["pages"] == slots
+        assert t.index.stats()["used_bytes"] == slots * PAGE
     finally:
         await close_tiers(t)
 
