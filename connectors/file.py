@@ -78,14 +78,17 @@ def default_io_threads() -> int:
     return min(8, 2 * len(os.sched_getaffinity(0)))
 
 
-def _lower_priority(increment: int) -> None:
-    """Thread initializer: raises this thread's niceness by `increment` (on Linux each thread has its own)."""
-    if increment:
-        tid = threading.get_native_id()
-        try:
+def _lower_priority(increment: int, sched_idle: bool) -> None:
+    """Thread initializer: raises this thread's niceness by `increment` (on Linux each thread has its own)
+    and, with `sched_idle`, moves it to SCHED_IDLE (which an unprivileged thread may do)."""
+    tid = threading.get_native_id()
+    try:
+        if increment:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-        except OSError as e:  # not fatal: the writes still run, at the daemon's priority
-            log.warning("file: could not lower the priority of a write thread: %s", e)
+        if sched_idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as e:  # not fatal: the writes still run, at the daemon's priority
+        log.warning("file: could not lower the priority of a write thread: %s", e)
 
 
 def _errname(e: OSError) -> str:
@@ -176,13 +179,13 @@ class FileConnector(Connector):
         self._threads = fc.io_threads or default_io_threads()
         self._timeout = cfg.storage.operation_timeout
         self._executor = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="hicached-file")
-        # Backups write on threads of their own, at a lower CPU priority (storage.file.write_nice), so that
-        # on a busy node they take the CPU that engines and prefetch reads leave over.
+        # Backups write on threads of their own, at a lower CPU priority (storage.file.write_nice and
+        # write_sched_idle), so that on a busy node they take the CPU that engines and prefetch reads leave.
         self._write_executor = ThreadPoolExecutor(
             max_workers=self._threads,
             thread_name_prefix="hicached-file-w",
             initializer=_lower_priority,
-            initargs=(fc.write_nice,),
+            initargs=(fc.write_nice, fc.write_sched_idle),
         )
         # Page I/O in C, one GIL release per job, where the module was built; else the Python path, which
         # writes and reads the same files (the tests run both).

@@ -320,14 +320,17 @@ async def test_batch_goes_to_few_big_jobs(tmp_path, pages: int, size: int, jobs:
         )
 
 
-async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path) -> None:
-    # Backups are background work: their threads are niced by storage.file.write_nice, reads are not.
-    async with started(tmp_path, io_threads=2, write_nice=7) as conn:
-        seen: dict[str, int] = {}
+@pytest.mark.parametrize("idle", [True, False])
+async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path, idle) -> None:
+    # Backups are background work: their threads are niced by storage.file.write_nice and, with
+    # write_sched_idle, run under SCHED_IDLE; reads are not.
+    async with started(tmp_path, io_threads=2, write_nice=7, write_sched_idle=idle) as conn:
+        seen: dict[str, tuple[int, int]] = {}
 
         def spy(fn, what):
             def chunk(namespace, keys, views, stop):
-                seen[what] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                tid = threading.get_native_id()
+                seen[what] = (os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid))
                 return fn(namespace, keys, views, stop)
 
             return chunk
@@ -337,7 +340,11 @@ async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path) -> None:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         assert await conn.put(NS, [key(1)], [page(1, 4 * KiB)]) == [True]
         assert await conn.get_into(NS, [key(1)], [memoryview(bytearray(4 * KiB))]) == [True]
-        assert seen == {"write": min(19, base + 7), "read": base}
+        policy = os.sched_getscheduler(0)
+        assert seen == {
+            "write": (min(19, base + 7), os.SCHED_IDLE if idle else policy),
+            "read": (base, policy),
+        }
 
 
 # The C path's short-transfer loop cannot be reached from here (it calls preadv/pwritev itself): only
