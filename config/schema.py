@@ -85,8 +85,8 @@ class FileConfig:
     # wakes the daemon's event loop and the engines there at once instead of on the CPU of the engine that
     # woke it, and any of them preempts a write. Write-through stores of 256 KiB pages measured 0.45-0.63x
     # of memcpy (median 0.57x, 7 runs) against 0.44-0.53x (median 0.50x, 4 runs) with write_nice alone, on
-    # 2 vCPUs. On a node whose every CPU is busy the writes
-    # then get very little CPU: backups lag, and the backup queue bound turns stores away. false: nice only.
+    # 2 vCPUs. On a node whose every CPU is busy the writes then get very little CPU: backups lag, and the
+    # backup queue bound turns stores away. false: nice only.
     write_sched_idle: bool = True
     fsync: bool = False
     # Bound on the bytes of page files under root (0: none). Past it, a janitor removes the least recently
