@@ -184,6 +184,8 @@ def validate(cfg: Config) -> None:
     _positive(st.file, "storage.file", "janitor_interval")
     if st.backup_concurrency_busy < 0:
         raise ConfigError("storage.backup_concurrency_busy", "must be 0 (no limit) or a number of calls")
+    if st.backup_defer < 0:
+        raise ConfigError("storage.backup_defer", "must be 0 (no waiting) or a duration")
     if not 0 <= st.file.write_nice <= 19:
         raise ConfigError("storage.file.write_nice", "must be between 0 and 19")
     if not 0.0 < st.file.low_watermark < 1.0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable
 from itertools import groupby
 
@@ -23,6 +24,7 @@ from .retry import Backoff
 log = logging.getLogger("hicached.backup")
 
 _BUSY_POLL_S = 0.002  # how often a worker held back by busy engines looks again
+_DEFER_POLL_S = 0.01  # how often a worker deferring to busy engines looks whether they paused
 
 
 class Backup:
@@ -47,7 +49,7 @@ class Backup:
         self.batch_bytes = batch_bytes
         self.queue_pages = queue_pages
         self.backoff = backoff
-        self._queue: collections.deque[Entry] = collections.deque()
+        self._queue: collections.deque[tuple[float, Entry]] = collections.deque()  # (when queued, page)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -56,6 +58,9 @@ class Backup:
         # Calls allowed in flight right now (0: no limit besides concurrency); Tiers lowers it while engines
         # are busy, so that background writes leave them the CPU.
         self.allowed: Callable[[], int] = lambda: 0
+        # How long a page may wait, from when it was queued, for engines to pause before it is written
+        # anyway (0: not at all); Tiers sets it while engines are busy (storage.backup_defer).
+        self.defer: Callable[[], float] = lambda: 0.0
         self._workers: list[asyncio.Task[None]] = []
 
     @property
@@ -88,7 +93,7 @@ class Backup:
             return
         entry.queued = True
         self.index.update(entry)
-        self._queue.append(entry)
+        self._queue.append((time.monotonic(), entry))
         self._idle.clear()
         self._wakeup.set()
 
@@ -115,14 +120,18 @@ class Backup:
             if allowed and self.calls >= allowed:
                 await asyncio.sleep(_BUSY_POLL_S)
                 continue
-            batch = [self._queue.popleft()]
+            defer = self.defer()
+            if defer > 0 and (wait := self._queue[0][0] + defer - time.monotonic()) > 0:
+                await asyncio.sleep(min(wait, _DEFER_POLL_S))  # engines busy: wait for a pause, or the bound
+                continue
+            batch = [self._queue.popleft()[1]]
             nbytes = batch[0].size
             while (
                 self._queue
                 and len(batch) < self.batch_pages
-                and nbytes + self._queue[0].size <= self.batch_bytes
+                and nbytes + self._queue[0][1].size <= self.batch_bytes
             ):
-                batch.append(self._queue.popleft())
+                batch.append(self._queue.popleft()[1])
                 nbytes += batch[-1].size
             self.inflight += len(batch)
             self.calls += 1

@@ -119,6 +119,7 @@ class Tiers:
         self.pinned_bytes = 0
         self.last_engine_io = 0.0  # time.monotonic() of the last store or load
         self.backup.allowed = self._backup_calls_allowed
+        self.backup.defer = self._backup_defer
 
     @property
     def connector(self) -> Connector | None:
@@ -130,6 +131,14 @@ class Tiers:
         if self.write_back or time.monotonic() - self.last_engine_io > _BUSY_WINDOW_S:
             return 0
         return self.cfg.storage.backup_concurrency_busy
+
+    def _backup_defer(self) -> float:
+        """While engines store or load, a write-through backup waits for them to pause, at most
+        storage.backup_defer from when its page was stored (then it runs, backup_concurrency_busy calls at
+        a time): its I/O would take memory bandwidth and CPU from the engines' copies."""
+        if self.write_back or time.monotonic() - self.last_engine_io > _BUSY_WINDOW_S:
+            return 0.0
+        return self.cfg.storage.backup_defer
 
     def _removed(self, entry: Entry) -> None:
         if entry.in_l3 and self.cfg.storage.known_in_l3_keys > 0:

@@ -332,6 +332,7 @@ def test_socket_mode_rejects(value: Any) -> None:
         ({"storage": {"retry": {"jitter": -0.1}}}, "storage.retry.jitter"),
         ({"storage": {"file": {"io_threads": -1}}}, "storage.file.io_threads"),
         ({"storage": {"backup_concurrency_busy": -1}}, "storage.backup_concurrency_busy"),
+        ({"storage": {"backup_defer": "-1s"}}, "storage.backup_defer"),
         ({"storage": {"file": {"write_nice": 20}}}, "storage.file.write_nice"),
         ({"storage": {"file": {"write_nice": -1}}}, "storage.file.write_nice"),
         ({"storage": {"backend": "file", "file": {"root": ""}}}, "storage.file.root"),

@@ -587,3 +587,43 @@ async def test_placing_a_missing_page_never_evicts_one_it_hands_back(tmp_path, h
         assert t.index.get("ns1", "f2") is None  # the next oldest made the room
     finally:
         await close_tiers(t)
+
+
+async def test_write_through_backups_wait_for_busy_engines_to_pause(tmp_path, monkeypatch):
+    # storage.backup_defer: while engines are busy, a backup waits, from when its page was stored, for a
+    # pause or for the bound. Here the bound is an hour: nothing is written until the engines pause.
+    storage = {"backup_defer": "1h", "backup_batch_pages": 4}
+    conn = SlowFile(cfg_for(tmp_path, **storage))
+    await conn.start()
+    t = await make_tiers(tmp_path, connector=conn, **storage)
+    monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 3600.0)  # engines that keep storing
+    try:
+        s = session(t)
+        write(t, s, [f"d{i}" for i in range(12)])
+        assert not await t.backup.drain(0.3)
+        assert t.counters["backup.pages"] == 0 and t.index.stats()["dirty"] == 12
+        monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 0.0)  # they paused
+        assert await t.backup.drain(10)
+        assert t.counters["backup.pages"] == 12 and t.index.stats()["dirty"] == 0
+        # A bound of 0: written at once, busy engines or not (backup_concurrency_busy calls at a time).
+        monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 3600.0)
+        t.cfg.storage.backup_defer = 0.0
+        conn.most = 0
+        write(t, s, [f"e{i}" for i in range(12)])
+        assert await t.backup.drain(10)
+        assert t.counters["backup.pages"] == 24 and conn.most == 1
+    finally:
+        await close_tiers(t)
+
+
+async def test_deferred_backups_still_run_once_their_bound_passes(tmp_path, monkeypatch):
+    storage = {"backup_defer": "200ms"}
+    t = await make_tiers(tmp_path, **storage)
+    monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 3600.0)  # engines never pause
+    try:
+        s = session(t)
+        write(t, s, [f"b{i}" for i in range(8)])
+        assert await t.backup.drain(30)
+        assert t.counters["backup.pages"] == 8
+    finally:
+        await close_tiers(t)
