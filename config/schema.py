@@ -81,13 +81,14 @@ class FileConfig:
     # for the GIL between pages: at +10, write-through stores of 2 MiB pages measured a median ~0.66x of
     # memcpy on 2 vCPUs; at +19, ~0.75x.
     write_nice: int = 19
-    # The write threads also run under SCHED_IDLE: a CPU running only them counts as idle, so the kernel
-    # wakes the daemon's event loop and the engines there at once instead of on the CPU of the engine that
-    # woke it, and any of them preempts a write. Write-through stores of 256 KiB pages measured 0.45-0.63x
-    # of memcpy (median 0.57x, 7 runs) against 0.44-0.53x (median 0.50x, 4 runs) with write_nice alone, on
-    # 2 vCPUs. On a node whose every CPU is busy the writes then get very little CPU: backups lag, and the
-    # backup queue bound turns stores away. false: nice only.
-    write_sched_idle: bool = True
+    # true: the write threads also run under SCHED_IDLE. A CPU running only them counts as idle, so the
+    # kernel wakes the daemon's event loop and the engines there at once instead of on the CPU of the
+    # engine that woke it, and any of them preempts a write. Write-through stores of 256 KiB pages measured
+    # 0.45-0.63x of memcpy (median 0.57x, 7 runs) against 0.44-0.53x (median 0.50x, 4 runs) without it, on
+    # 2 vCPUs, before backup_defer. But when every CPU is busy, the writes get almost no CPU (1/5 of what
+    # nice 19 leaves them): with two CPU hogs beside the test suite, backups fell so far behind that L2
+    # filled with pages not yet in L3 and stores were refused. Off by default; for nodes with CPUs to spare.
+    write_sched_idle: bool = False
     fsync: bool = False
     # Bound on the bytes of page files under root (0: none). Past it, a janitor removes the least recently
     # used pages down to low_watermark * max_bytes; it looks every janitor_interval, and at once when a
