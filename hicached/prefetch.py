@@ -136,7 +136,7 @@ class Prefetcher:
                         del out[pos:]
                         break
                     entry = index.entry_at(ns, key, page_bytes, cls, slots.pop(), FILLING)
-                    index.lease(entry)  # held by the fetch until the read ends
+                    entry.leases = 1  # held by the fetch until the read ends (a new entry is in no LRU)
                     new.append((first + pos, entry))
                 index.lease(entry)  # as for the pages found above
                 out[pos] = entry

@@ -141,12 +141,18 @@ class Tiers:
         return self.cfg.storage.backup_defer
 
     def _removed(self, entry: Entry) -> None:
-        if entry.in_l3 and self.cfg.storage.known_in_l3_keys > 0:
-            k = (entry.ns, entry.key)
-            self.known_in_l3[k] = None
-            self.known_in_l3.move_to_end(k)
-            while len(self.known_in_l3) > self.cfg.storage.known_in_l3_keys:
-                self.known_in_l3.popitem(last=False)
+        """Remembers that a page leaving L2 is in L3 (it runs for every page a full pool evicts)."""
+        if not entry.in_l3:
+            return
+        bound = self.cfg.storage.known_in_l3_keys
+        if bound > 0:
+            known, k = self.known_in_l3, (entry.ns, entry.key)
+            if k in known:
+                known.move_to_end(k)
+            else:
+                known[k] = None
+                while len(known) > bound:
+                    known.popitem(last=False)
 
     def _attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
@@ -545,9 +551,9 @@ class Tiers:
             await asyncio.wait(futures, timeout=timeout)
 
     def _leading_ready(self, entries: list[Entry]) -> int:
-        n = 0
+        n, live = 0, self.index.live
         for e in entries:
-            if e.state != READY or not self.index.live(e):
+            if e.state != READY or not live(e):
                 break
             n += 1
         return n
