@@ -128,17 +128,17 @@ class Tiers:
     def _backup_calls_allowed(self) -> int:
         """Write-through backups are background work: while engines store or load, they run at most
         storage.backup_concurrency_busy calls. Write-back writes (memory pressure, flush) are never held."""
-        if self.write_back or time.monotonic() - self.last_engine_io > _BUSY_WINDOW_S:
-            return 0
-        return self.cfg.storage.backup_concurrency_busy
+        return self.cfg.storage.backup_concurrency_busy if self._through_while_busy() else 0
 
     def _backup_defer(self) -> float:
         """While engines store or load, a write-through backup waits for them to pause, at most
         storage.backup_defer from when its page was stored (then it runs, backup_concurrency_busy calls at
         a time): its I/O would take memory bandwidth and CPU from the engines' copies."""
-        if self.write_back or time.monotonic() - self.last_engine_io > _BUSY_WINDOW_S:
-            return 0.0
-        return self.cfg.storage.backup_defer
+        return self.cfg.storage.backup_defer if self._through_while_busy() else 0.0
+
+    def _through_while_busy(self) -> bool:
+        """Write-through, with an engine that stored or loaded within the busy window."""
+        return not self.write_back and time.monotonic() - self.last_engine_io <= _BUSY_WINDOW_S
 
     def _removed(self, entry: Entry) -> None:
         """Remembers that a page leaving L2 is in L3 (it runs for every page a full pool evicts)."""
