@@ -9,6 +9,7 @@ import contextlib
 import errno
 import itertools
 import logging
+import operator
 import os
 import secrets
 import stat
@@ -108,6 +109,9 @@ def _native_write_result(code: int) -> str | None:
     if code == 0:
         return None
     return _CANCELLED if code < 0 else errno.errorcode.get(code, "EIO")
+
+
+_READONLY = operator.attrgetter("readonly")
 
 
 def _byte_view(buf: Any) -> memoryview:
@@ -323,7 +327,7 @@ class FileConnector(Connector):
     async def put(self, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]) -> list[bool]:
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
-        views = [_byte_view(p) for p in payloads]
+        views = list(map(_byte_view, payloads))
         self.counters["puts"] += len(keys)
         if not keys:
             return []
@@ -350,8 +354,8 @@ class FileConnector(Connector):
     ) -> list[bool]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [_byte_view(b) for b in buffers]
-        if any(v.readonly for v in views):
+        views = list(map(_byte_view, buffers))
+        if any(map(_READONLY, views)):
             raise ValueError("get_into needs writable buffers")
         self.counters["gets"] += len(keys)
         results = [_MISS] * len(keys)
@@ -360,7 +364,7 @@ class FileConnector(Connector):
         hits = [result == _HIT for result in results]
         nhits = hits.count(True)
         self.counters["hits"] += nhits
-        self.counters["bytes_read"] += sum(v.nbytes for v, hit in zip(views, hits, strict=True) if hit)
+        self.counters["bytes_read"] += sum(map(len, itertools.compress(views, hits)))  # len: byte views
         if nhits < len(keys):
             self._count_misses(namespace, keys, results)
         return hits
@@ -415,7 +419,7 @@ class FileConnector(Connector):
         """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES)."""
         stop = bytearray(1)  # set to 1 to cancel: read by the C page I/O as well as by the Python loops
         n = len(keys)
-        jobs = max(1, min(self._threads, n, sum(v.nbytes for v in views) // _JOB_MIN_BYTES))
+        jobs = max(1, min(self._threads, n, sum(map(len, views)) // _JOB_MIN_BYTES))  # byte views
         parts = [slice(i * n // jobs, (i + 1) * n // jobs) for i in range(jobs)]
 
         async def run_all(executor: ThreadPoolExecutor) -> list:

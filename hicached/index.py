@@ -102,8 +102,9 @@ class PageIndex:
         self.reserved = 0  # slots set aside for connections' next stores, under no key yet
         self.reserved_bytes = 0
         self.counters: collections.Counter[str] = collections.Counter()
-        # Called with every entry that leaves the index (evicted, aborted, failed fill).
-        self.on_remove: Callable[[Entry], None] = lambda entry: None
+        # Called with the entries that leave the index (evicted, aborted, failed fill): a list, so that a
+        # full pool's evictions for a whole request are told in one call.
+        self.on_remove: Callable[[list[Entry]], None] = lambda entries: None
 
     def get(self, ns: str, key: str) -> Entry | None:
         d = self._by_ns.get(ns)
@@ -203,6 +204,32 @@ class PageIndex:
         self._insert(entry)
         return entry
 
+    def entries_at(
+        self,
+        ns: str,
+        keys: list[str],
+        page_bytes: int,
+        cls: SizeClass,
+        offsets: list[int],
+        state: str,
+        leases: int,
+    ) -> list[Entry]:
+        """entry_at for each of `keys` (all different and new) in the slots `offsets` from take_slots, with
+        `leases` leases each, in one loop: a prefetch makes an entry for every page it reads."""
+        d = self._by_ns.get(ns)
+        if d is None:
+            d = self._by_ns[ns] = {}
+        by_offset = self._by_offset
+        out = []
+        for key, offset in zip(keys, offsets, strict=True):
+            entry = Entry(ns, key, offset, page_bytes, cls, state)
+            entry.leases = leases
+            by_offset[offset] = entry
+            d[key] = entry
+            out.append(entry)
+        self._count += len(out)
+        return out
+
     def give_back(self, cls: SizeClass, offsets: list[int]) -> None:
         """Slots from take_slots that became no entry."""
         for offset in offsets:
@@ -221,7 +248,7 @@ class PageIndex:
             del self.dirty[entry]
             entry.in_dirty = False
         self._delete(entry)
-        self.on_remove(entry)
+        self.on_remove([entry])
         self._release_slot(entry, quarantine)
 
     def _release_slot(self, entry: Entry, quarantine: float) -> None:
@@ -286,6 +313,33 @@ class PageIndex:
         if entry.leases == 0:
             self.update(entry)
 
+    def lease_all(self, entries: list[Entry]) -> None:
+        """lease of each entry, in one loop."""
+        unlist = self._unlist
+        for entry in entries:
+            entry.leases += 1
+            if entry.leases == 1 and entry.in_lru:
+                unlist(entry)
+
+    def unlease_all(self, entries: list[Entry]) -> None:
+        """unlease of each entry (a lease on a request's pages is given back page by page, for every page
+        loaded or prefetched: one loop here, not a call a page)."""
+        update = self.update
+        for entry in entries:
+            entry.leases -= 1
+            if not entry.leases:
+                update(entry)
+
+    def leading_live(self, ns: str, entries: list[Entry], state: str) -> int:
+        """How many of the leading `entries` (all of namespace `ns`) are still in the index, in `state`."""
+        d = self._by_ns.get(ns, _NO_ENTRIES)
+        n = 0
+        for entry in entries:
+            if entry.state != state or d.get(entry.key) is not entry:
+                break
+            n += 1
+        return n
+
     # Eviction and slab rebalancing.
 
     def _evict(self, cls: SizeClass, n: int) -> list[int]:
@@ -296,15 +350,17 @@ class PageIndex:
         if not lru:
             return []
         n = min(n, len(lru))
-        pop, by_ns, by_offset, on_remove = lru.popitem, self._by_ns, self._by_offset, self.on_remove
+        pop, by_ns, by_offset = lru.popitem, self._by_ns, self._by_offset
+        victims = []
         out = []
         for _ in range(n):
             _, victim = pop(last=False)
             victim.in_lru = False
             del by_ns[victim.ns][victim.key]  # evictable means clean: never in self.dirty
-            on_remove(victim)
             del by_offset[victim.offset]
+            victims.append(victim)
             out.append(victim.offset)
+        self.on_remove(victims)
         self._count -= n
         self.evictable_bytes -= n * cls.slot_bytes
         self.counters["evictions"] += n

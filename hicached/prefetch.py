@@ -103,11 +103,12 @@ class Prefetcher:
         # may evict a page this call hands back); those missing are counted, up to the queue bound.
         out: list[Any] = []  # an entry, or the key of a missing page until its entry is made
         missing: list[int] = []  # positions in out
+        room = self.queue_pages - self.pending
         get = index.ns_entries(ns).get  # read only, and nothing is added before the second loop
         for pos, key in enumerate(keys):
             entry = get(key)
             if entry is None:
-                if self.pending + len(missing) >= self.queue_pages:
+                if len(missing) >= room:
                     self.counters["prefetch.dropped"] += len(keys) - pos
                     break
                 missing.append(pos)
@@ -117,30 +118,40 @@ class Prefetcher:
             else:
                 index.lease(entry)
                 out.append(entry)
-        # Then the slots for the missing pages, all in one go (a full pool evicts one page for each).
+        # Then the slots for the missing pages, all in one go (a full pool evicts one page for each). A new
+        # entry holds two leases: one for the fetch until the read ends, one as for the pages found above.
         new: list[tuple[int, Entry]] = []
         if missing:
             cls, slots = index.take_slots(page_bytes, len(missing))
-            slots.reverse()
-            # The same key twice in one call: its entry is made by its second place (seldom: then look).
-            twice = len({out[pos] for pos in missing}) < len(missing)
-            for pos in missing:
-                key = out[pos]
-                entry = index.get(ns, key) if twice else None
-                if entry is None:
-                    if not slots:
-                        self.counters["prefetch.no_space"] += len(keys) - pos
-                        for e in out[pos:]:  # pages found after the first that found no slot
-                            if type(e) is Entry:
-                                index.unlease(e)
-                        del out[pos:]
-                        break
-                    entry = index.entry_at(ns, key, page_bytes, cls, slots.pop(), FILLING)
-                    entry.leases = 1  # held by the fetch until the read ends (a new entry is in no LRU)
+            wanted = [out[pos] for pos in missing]
+            if len(set(wanted)) == len(wanted):  # as a rule: every key once
+                made = index.entries_at(ns, wanted[: len(slots)], page_bytes, cls, slots, FILLING, leases=2)
+                for pos, entry in zip(missing, made, strict=False):  # made may be shorter
+                    out[pos] = entry
                     new.append((first + pos, entry))
-                index.lease(entry)  # as for the pages found above
-                out[pos] = entry
-            index.give_back(cls, slots)
+                full = missing[len(made)] if len(made) < len(missing) else -1
+            else:  # the same key twice in one call: its entry is made by its first place
+                full = -1
+                slots.reverse()
+                for pos in missing:
+                    entry = index.get(ns, out[pos])
+                    if entry is None:
+                        if not slots:
+                            full = pos
+                            break
+                        entry = index.entry_at(ns, out[pos], page_bytes, cls, slots.pop(), FILLING)
+                        entry.leases = 2
+                        new.append((first + pos, entry))
+                    else:
+                        index.lease(entry)
+                    out[pos] = entry
+                index.give_back(cls, slots)
+            if full >= 0:  # the pool is full: the call stops at the first key that found no slot
+                self.counters["prefetch.no_space"] += len(keys) - full
+                for e in out[full:]:  # pages found after it
+                    if type(e) is Entry:
+                        index.unlease(e)
+                del out[full:]
         if not lease:  # the leases taken above only guarded the pages while slots were taken
             for entry in out:
                 index.unlease(entry)
@@ -202,19 +213,21 @@ class Prefetcher:
     def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool]) -> None:
         self.pending -= len(batch)
         done = batch[0][1].fill
-        pages = nbytes = 0
+        pages = 0
+        update, remove = self.index.update, self.index.remove  # runs for every page prefetched
         for (_, entry), good in zip(batch, ok, strict=True):
             if good:
                 entry.state = READY
                 entry.in_l3 = True
                 pages += 1
-                nbytes += entry.size
             else:
-                self.index.remove(entry)
-            self.index.unlease(entry)
+                remove(entry)
             entry.fill = None
+            entry.leases -= 1  # index.unlease, inlined: the fetch's own lease
+            if not entry.leases:
+                update(entry)
         self.counters["prefetch.pages"] += pages
-        self.counters["prefetch.bytes"] += nbytes
+        self.counters["prefetch.bytes"] += pages * batch[0][1].size  # a batch is of one namespace
         if pages < len(batch):
             self.counters["prefetch.misses"] += len(batch) - pages
         if done is not None and not done.done():

@@ -140,19 +140,21 @@ class Tiers:
         """Write-through, with an engine that stored or loaded within the busy window."""
         return not self.write_back and time.monotonic() - self.last_engine_io <= _BUSY_WINDOW_S
 
-    def _removed(self, entry: Entry) -> None:
-        """Remembers that a page leaving L2 is in L3 (it runs for every page a full pool evicts)."""
-        if not entry.in_l3:
-            return
+    def _removed(self, entries: list[Entry]) -> None:
+        """Remembers which pages leaving L2 are in L3 (it runs for the pages a full pool evicts)."""
         bound = self.cfg.storage.known_in_l3_keys
-        if bound > 0:
-            known, k = self.known_in_l3, (entry.ns, entry.key)
-            if k in known:
-                known.move_to_end(k)
-            else:
-                known[k] = None
-                while len(known) > bound:
-                    known.popitem(last=False)
+        if bound <= 0:
+            return
+        known = self.known_in_l3
+        for entry in entries:
+            if entry.in_l3:
+                k = (entry.ns, entry.key)
+                if k in known:
+                    known.move_to_end(k)
+                else:
+                    known[k] = None
+        while len(known) > bound:
+            known.popitem(last=False)
 
     def _attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
@@ -237,12 +239,10 @@ class Tiers:
 
     def close_session(self, s: Session) -> None:
         for entries in s.leases.values():
-            for e in entries:
-                self.index.unlease(e)
+            self.index.unlease_all(entries)
         s.leases.clear()
         for h in s.handles.values():
-            for e in h.entries:
-                self.index.unlease(e)
+            self.index.unlease_all(h.entries)
         s.handles.clear()
         for e in s.writing.values():
             self.index.unlease(e)
@@ -426,8 +426,7 @@ class Tiers:
         self.last_engine_io = time.monotonic()
         by_key = self.index.ns_entries(s.ns)
         entries = [by_key[key] for key in keys]
-        for e in entries:
-            self.index.lease(e)
+        self.index.lease_all(entries)
         self.counters["load.pages"] += len(entries)
         self.counters["load.bytes"] += len(entries) * s.page_bytes
         lease = next(s.ids)
@@ -439,8 +438,7 @@ class Tiers:
         returns a lease id and their offsets."""
         self.last_engine_io = time.monotonic()
         entries = self._leading_l2(s.ns, keys)
-        for e in entries:
-            self.index.lease(e)
+        self.index.lease_all(entries)
         if fetch and len(entries) < len(keys):
             entries += self.prefetcher.fetch(
                 s.ns, keys[len(entries) :], s.page_bytes, LOAD_PRIORITY, lease=True
@@ -448,12 +446,10 @@ class Tiers:
         try:
             await self._settle(entries, self.cfg.server.request_timeout)
         except BaseException:  # the connection went away while we waited: give the leases back
-            for e in entries:
-                self.index.unlease(e)
+            self.index.unlease_all(entries)
             raise
         n = self._leading_ready(entries)
-        for e in entries[n:]:
-            self.index.unlease(e)
+        self.index.unlease_all(entries[n:])
         self.counters["load.pages"] += n
         self.counters["load.bytes"] += n * s.page_bytes
         self.counters["load.misses"] += len(keys) > n
@@ -467,8 +463,7 @@ class Tiers:
         entries = s.leases.pop(lease, None)
         if entries is None:
             raise HicachedError(NOT_FOUND, f"no lease {lease} on this connection")
-        for e in entries:
-            self.index.unlease(e)
+        self.index.unlease_all(entries)
 
     # Prefetch.
 
@@ -492,8 +487,7 @@ class Tiers:
             return
         step = keys[start : start + PREFETCH_STEP]
         entries = self._leading_l2(s.ns, step)
-        for e in entries:
-            self.index.lease(e)
+        self.index.lease_all(entries)
         if len(entries) < len(step):
             entries += self.prefetcher.fetch(
                 s.ns, step[len(entries) :], s.page_bytes, priority, req, start + len(entries), lease=True
@@ -542,8 +536,7 @@ class Tiers:
             return self._leading_ready(h.entries)
         finally:
             if s.handles.pop(handle, None) is not None:
-                for e in h.entries:
-                    self.index.unlease(e)
+                self.index.unlease_all(h.entries)
 
     async def _settle(self, entries: list[Entry], timeout: float) -> None:
         futures = {e.fill for e in entries if e.state == FILLING and e.fill is not None}  # one per batch
@@ -551,12 +544,7 @@ class Tiers:
             await asyncio.wait(futures, timeout=timeout)
 
     def _leading_ready(self, entries: list[Entry]) -> int:
-        n, live = 0, self.index.live
-        for e in entries:
-            if e.state != READY or not live(e):
-                break
-            n += 1
-        return n
+        return self.index.leading_live(entries[0].ns, entries, READY) if entries else 0
 
     # Pins.
 

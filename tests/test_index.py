@@ -646,7 +646,7 @@ def test_take_slots_evicts_in_lru_order_and_stops_at_what_can_be_freed(idx: Page
     pages = fill(idx, A, "a")
     idx.touch(pages[0])  # now the most recently used
     removed: list[Entry] = []
-    idx.on_remove = removed.append
+    idx.on_remove = removed.extend
     for e in pages[-3:]:
         idx.lease(e)
     want = len(pages) - 3  # all but the leased ones can go
@@ -672,3 +672,55 @@ def test_take_slots_takes_a_slab_from_a_class_above_its_share(idx: PageIndex) ->
     assert len(slots) == 3 and slabs_of(idx, B) == 2 and idx.counters["slab_moves"] == 2
     assert {idx.alloc.slab_of(o) for o in slots} == {idx.alloc.slab_of(slots[0]), idx.alloc.slab_of(slots[2])}
     assert idx.counters["evictions"] == 2 * SLAB // A
+
+
+def test_entries_at_files_each_key_as_entry_at_would(idx: PageIndex) -> None:
+    cls, slots = idx.take_slots(A, 3)
+    made = idx.entries_at(NS, [key(i) for i in range(3)], A, cls, slots, FILLING, leases=2)
+    assert [idx.get(NS, key(i)) for i in range(3)] == made
+    assert [e.offset for e in made] == slots and all(e.leases == 2 and e.state == FILLING for e in made)
+    assert idx.stats()["pages"] == 3 and idx.stats()["filling"] == 3
+    for e in made:  # a fill that ends: evictable once both leases are gone, not before
+        e.state = READY
+        idx.unlease(e)
+    assert idx.evictable_bytes == 0
+    idx.unlease_all(made)
+    assert lru_keys(idx, A) == [key(i) for i in range(3)] and idx.evictable_bytes == 3 * A
+    with pytest.raises(ValueError):  # one slot per key, never a key left without one
+        idx.entries_at(NS, [key(7), key(8)], A, cls, idx.take_slots(A, 1)[1], FILLING, leases=1)
+
+
+def test_lease_all_and_unlease_all_as_one_call_a_page(idx: PageIndex) -> None:
+    pages = [ready(idx, key(i)) for i in range(4)]
+    idx.lease(pages[1])
+    idx.lease_all(pages)
+    assert [e.leases for e in pages] == [1, 2, 1, 1] and idx.evictable_bytes == 0
+    idx.unlease_all(pages[1:])
+    assert [e.leases for e in pages] == [1, 1, 0, 0]
+    assert lru_keys(idx, A) == [key(2), key(3)]  # back in the LRU in the order given back
+    idx.remove(pages[3])
+    idx.unlease_all(pages[:2])
+    assert lru_keys(idx, A) == [key(2), key(0), key(1)]
+
+
+def test_leading_live_stops_at_a_page_not_in_the_state_or_gone(idx: PageIndex) -> None:
+    pages = [ready(idx, key(i)) for i in range(5)]
+    assert idx.leading_live(NS, pages, READY) == 5
+    assert idx.leading_live("other", pages, READY) == 0
+    pages[3].state = FILLING
+    assert idx.leading_live(NS, pages, READY) == 3
+    idx.remove(pages[1])
+    assert idx.leading_live(NS, pages, READY) == 1
+    again = idx.allocate(NS, key(1), A, READY)  # the same key, a new entry: the old one is still gone
+    assert again is not None and idx.leading_live(NS, pages, READY) == 1
+    assert idx.leading_live(NS, [], READY) == 0
+
+
+def test_evictions_are_told_in_one_call_a_request(idx: PageIndex) -> None:
+    pages = fill(idx, A, "a")
+    calls: list[list[str]] = []
+    idx.on_remove = lambda entries: calls.append([e.key for e in entries])
+    idx.take_slots(A, 5)
+    assert calls == [[e.key for e in pages[:5]]]
+    idx.remove(pages[7])
+    assert calls[-1] == [pages[7].key]

@@ -153,6 +153,21 @@ async def test_already_in_l3_is_not_written_again(tmp_path):
         await close_tiers(t)
 
 
+async def test_pages_evicted_together_are_remembered_in_l3_up_to_the_bound(tmp_path):
+    t = await make_tiers(tmp_path, known_in_l3_keys=3)
+    try:
+        s = session(t)
+        keys = [f"k{i}" for i in range(6)]
+        write(t, s, keys)
+        await t.backup.drain(10)
+        t.index._evict(t.index.size_class(PAGE), 6)  # what a full pool does for a request of 6 pages
+        assert list(t.known_in_l3) == [("ns1", k) for k in keys[3:]]  # the most recent 3
+        write(t, s, keys[4:])
+        assert t.counters["store.known_in_l3"] == 2
+    finally:
+        await close_tiers(t)
+
+
 async def test_l2_only_pool_full_of_leased_pages_says_no_space(tmp_path):
     t = await make_tiers(tmp_path, connector=None, backend="none")
     try:
