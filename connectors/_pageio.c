@@ -7,6 +7,10 @@
    job of many pages costs one. The Python code stays the reference: file.py uses this module only when
    it imports and its header constants match, and the tests run both paths against the same files.
 
+   The page files' names are made here too, as FileConnector._path and _tmp_path make them: a job's Python
+   work is then one call, not a name a page built with the GIL held (~0.7 us a page, while the event loop
+   waits for the GIL).
+
    Result codes, one per page: 0 done, > 0 an errno, < 0 one of the RESULT_* values below. */
 
 #define PY_SSIZE_T_CLEAN
@@ -15,6 +19,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -46,11 +51,18 @@ enum {
     RESULT_LENGTH = -5,
     RESULT_KEY = -6,
     RESULT_CHECKSUM = -7,
+    RESULT_BAD_KEY = -8, /* not a valid key (hicached/keys.py): no file is touched */
 };
 
+/* Bumped when a function's arguments change: file.py uses only a build of the sources it was written for. */
+#define API_VERSION 2
+
+#define KEY_MAX_LEN 128 /* hicached/keys.py */
+#define NAMESPACE_MAX_LEN 128
+
 typedef struct {
-    PyObject *path;  /* bytes (os.fsencode) */
-    PyObject *tmp;   /* bytes; writes only */
+    char *path; /* the page file's name (PyMem) */
+    char *tmp;  /* writes: the temporary name it is written under first (PyMem) */
     const char *key; /* UTF-8 of the key (the str is kept alive by the caller's list, referenced below) */
     Py_ssize_t key_len;
     Py_buffer buf;
@@ -75,18 +87,16 @@ static uint64_t get_u64(const uint8_t *p) {
     return v;
 }
 
-/* The key tag, xxh3-64 of "namespace/key", into *tag; 0, or ENOMEM for a name too long for the stack
-   buffer when malloc fails (never a wrong tag: on a read it would remove a good page). */
+/* The key tag, xxh3-64 of "namespace/key", into *tag; 0, or ENAMETOOLONG (never a wrong tag: on a read it
+   would remove a good page). batch_init bounds both names, so the buffer always holds them. */
 static int key_tag(const char *ns, size_t ns_len, const char *key, size_t key_len, uint64_t *tag) {
-    char small[512]; /* namespace (<= 128) + "/" + key (<= 128): enough for every name the daemon accepts */
+    char buf[NAMESPACE_MAX_LEN + 1 + KEY_MAX_LEN];
     size_t n = ns_len + 1 + key_len;
-    char *buf = n <= sizeof small ? small : malloc(n);
-    if (buf == NULL) return ENOMEM;
+    if (n > sizeof buf) return ENAMETOOLONG;
     memcpy(buf, ns, ns_len);
     buf[ns_len] = '/';
     memcpy(buf + ns_len + 1, key, key_len);
     *tag = XXH3_64bits(buf, n);
-    if (buf != small) free(buf);
     return 0;
 }
 
@@ -126,7 +136,8 @@ static int64_t remove_if_same(int fd, const char *path) {
 }
 
 static int read_one(Job *j, const char *ns, size_t ns_len, size_t chunk, double touch_after, int64_t *removed) {
-    const char *path = PyBytes_AS_STRING(j->path);
+    if (j->path == NULL) return RESULT_BAD_KEY;
+    const char *path = j->path;
     uint64_t tag;
     int err = key_tag(ns, ns_len, j->key, (size_t)j->key_len, &tag);
     if (err) return err;
@@ -189,7 +200,8 @@ fail:
 }
 
 static int write_one(Job *j, const char *ns, size_t ns_len, size_t chunk, int do_fsync, int measure) {
-    const char *tmp = PyBytes_AS_STRING(j->tmp), *final = PyBytes_AS_STRING(j->path);
+    if (j->path == NULL) return RESULT_BAD_KEY;
+    const char *tmp = j->tmp, *final = j->path;
     uint64_t tag;
     int err = key_tag(ns, ns_len, j->key, (size_t)j->key_len, &tag);
     if (err) return err;
@@ -246,28 +258,85 @@ typedef struct {
 static void batch_free(Batch *b) {
     for (Py_ssize_t i = 0; i < b->n; i++) {
         Job *j = &b->jobs[i];
-        Py_XDECREF(j->path);
-        Py_XDECREF(j->tmp);
+        PyMem_Free(j->path);
+        PyMem_Free(j->tmp);
         if (j->buf.obj != NULL) PyBuffer_Release(&j->buf);
     }
     PyMem_Free(b->jobs);
     Py_XDECREF(b->keys);
 }
 
-static int batch_init(Batch *b, PyObject *keys, PyObject *paths, PyObject *tmps, PyObject *bufs, int writable,
-                      Py_ssize_t chunk) {
+static int name_char(char c, int dot) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
+           (dot && c == '.');
+}
+
+/* hicached.keys.valid_key / valid_namespace: what may become a file name under the root. */
+static int valid_name(const char *s, Py_ssize_t n, Py_ssize_t max_len, int dot) {
+    if (n < 1 || n > max_len) return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!name_char(s[i], dot)) return 0;
+    return !(dot && (n == 1 || n == 2) && s[0] == '.' && s[n - 1] == '.');
+}
+
+/* Process-wide: the temporary names of concurrent writes never meet (the tag tells processes apart). */
+static uint64_t tmp_seq;
+
+/* FileConnector._path: root/namespace/k0k1/k2k3/key, the shard from the key padded with '_' to 4
+   characters; with `tag`, also _tmp_path: the same directory, "." key "." tag seq ".tmp". 0, or -1 with
+   MemoryError set. */
+static int make_names(Job *j, const char *root, Py_ssize_t root_len, const char *ns, Py_ssize_t ns_len,
+                      const char *tag, Py_ssize_t tag_len) {
+    char shard[4];
+    for (int i = 0; i < 4; i++) shard[i] = i < j->key_len ? j->key[i] : '_';
+    size_t dir_len = (size_t)root_len + 1 + (size_t)ns_len + 1 + 2 + 1 + 2;
+    size_t path_len = dir_len + 1 + (size_t)j->key_len;
+    j->path = PyMem_Malloc(path_len + 1);
+    if (j->path == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int n = snprintf(j->path, path_len + 1, "%.*s/%.*s/%.2s/%.2s/%.*s", (int)root_len, root, (int)ns_len, ns, shard,
+                     shard + 2, (int)j->key_len, j->key);
+    if (n < 0 || (size_t)n != path_len) {
+        PyErr_SetString(PyExc_SystemError, "page file name");
+        return -1;
+    }
+    if (tag == NULL) return 0;
+    size_t tmp_cap = dir_len + 2 + (size_t)j->key_len + 1 + (size_t)tag_len + 20 + 4 + 1;
+    j->tmp = PyMem_Malloc(tmp_cap);
+    if (j->tmp == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    unsigned long long seq = __atomic_fetch_add(&tmp_seq, 1, __ATOMIC_RELAXED);
+    n = snprintf(j->tmp, tmp_cap, "%.*s/.%.*s.%.*s%llu.tmp", (int)dir_len, j->path, (int)j->key_len, j->key,
+                 (int)tag_len, tag, seq);
+    if (n < 0 || (size_t)n >= tmp_cap) {
+        PyErr_SetString(PyExc_SystemError, "temporary file name");
+        return -1;
+    }
+    return 0;
+}
+
+static int batch_init(Batch *b, const char *ns, Py_ssize_t ns_len, PyObject *keys, PyObject *root, PyObject *tag,
+                      PyObject *bufs, int writable, Py_ssize_t chunk) {
     memset(b, 0, sizeof *b);
     if (chunk <= 0) {
         PyErr_SetString(PyExc_ValueError, "chunk must be positive");
         return -1;
     }
-    if (!PyList_Check(keys) || !PyList_Check(paths) || !PyList_Check(bufs) || (tmps && !PyList_Check(tmps))) {
-        PyErr_SetString(PyExc_TypeError, "keys, paths and buffers must be lists");
+    if (!PyList_Check(keys) || !PyList_Check(bufs) || !PyBytes_Check(root) || (tag && !PyBytes_Check(tag))) {
+        PyErr_SetString(PyExc_TypeError, "keys and buffers must be lists, root and tag bytes");
+        return -1;
+    }
+    if (!valid_name(ns, ns_len, NAMESPACE_MAX_LEN, 1)) {
+        PyErr_SetString(PyExc_ValueError, "invalid namespace");
         return -1;
     }
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (PyList_GET_SIZE(paths) != n || PyList_GET_SIZE(bufs) != n || (tmps && PyList_GET_SIZE(tmps) != n)) {
-        PyErr_SetString(PyExc_ValueError, "keys, paths and buffers differ in length");
+    if (PyList_GET_SIZE(bufs) != n) {
+        PyErr_SetString(PyExc_ValueError, "keys and buffers differ in length");
         return -1;
     }
     b->keys = PyList_GetSlice(keys, 0, n); /* a copy: the caller's list may change meanwhile */
@@ -287,10 +356,12 @@ static int batch_init(Batch *b, PyObject *keys, PyObject *paths, PyObject *tmps,
         }
         j->key = PyUnicode_AsUTF8AndSize(key, &j->key_len);
         if (j->key == NULL) return -1;
-        if (!PyUnicode_FSConverter(PyList_GET_ITEM(paths, i), &j->path)) return -1;
-        if (tmps && !PyUnicode_FSConverter(PyList_GET_ITEM(tmps, i), &j->tmp)) return -1;
         int flags = writable ? PyBUF_WRITABLE : PyBUF_SIMPLE;
         if (PyObject_GetBuffer(PyList_GET_ITEM(bufs, i), &j->buf, flags | PyBUF_C_CONTIGUOUS) != 0) return -1;
+        if (!valid_name(j->key, j->key_len, KEY_MAX_LEN, 0)) continue; /* no names: RESULT_BAD_KEY */
+        if (make_names(j, PyBytes_AS_STRING(root), PyBytes_GET_SIZE(root), ns, ns_len,
+                       tag ? PyBytes_AS_STRING(tag) : NULL, tag ? PyBytes_GET_SIZE(tag) : 0) != 0)
+            return -1;
     }
     return 0;
 }
@@ -324,21 +395,22 @@ static PyObject *answer(Batch *b, int ran, int64_t total, Py_buffer *stop) {
 static int stopped(const Py_buffer *stop) { return stop->len > 0 && ((volatile const char *)stop->buf)[0] != 0; }
 
 PyDoc_STRVAR(read_pages_doc,
-             "read_pages(namespace, keys, paths, buffers, chunk, stop, touch_after) -> (results, removed_bytes)\n\n"
-             "Reads each page file into its buffer and verifies its header and checksum. A page that does not\n"
-             "verify is removed if the file is still the one read. stop: a buffer whose first byte, once\n"
-             "non-zero, cancels the pages not yet begun. touch_after < 0: never mark pages used.");
+             "read_pages(namespace, keys, root, buffers, chunk, stop, touch_after) -> (results, removed_bytes)\n\n"
+             "Reads each page file (under root, a bytes path, named as FileConnector._path names it) into its\n"
+             "buffer and verifies its header and checksum. A page that does not verify is removed if the file\n"
+             "is still the one read. stop: a buffer whose first byte, once non-zero, cancels the pages not yet\n"
+             "begun. touch_after < 0: never mark pages used.");
 
 static PyObject *read_pages(PyObject *self, PyObject *args) {
     const char *ns;
     Py_ssize_t ns_len, chunk;
-    PyObject *keys, *paths, *bufs;
+    PyObject *keys, *root, *bufs;
     Py_buffer stop;
     double touch_after;
-    if (!PyArg_ParseTuple(args, "s#OOOny*d", &ns, &ns_len, &keys, &paths, &bufs, &chunk, &stop, &touch_after))
+    if (!PyArg_ParseTuple(args, "s#OOOny*d", &ns, &ns_len, &keys, &root, &bufs, &chunk, &stop, &touch_after))
         return NULL;
     Batch b;
-    int ran = batch_init(&b, keys, paths, NULL, bufs, 1, chunk) == 0;
+    int ran = batch_init(&b, ns, ns_len, keys, root, NULL, bufs, 1, chunk) == 0;
     int64_t removed = 0;
     if (ran) {
         Py_BEGIN_ALLOW_THREADS
@@ -351,22 +423,23 @@ static PyObject *read_pages(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(write_pages_doc,
-             "write_pages(namespace, keys, paths, tmps, payloads, chunk, stop, fsync, measure) -> (results, added_bytes)\n\n"
-             "Writes each payload with its header to its temporary name and renames it to its path. added_bytes:\n"
-             "by how much the written pages grew the tree (with measure, the sizes of files replaced are\n"
-             "subtracted). A temporary file is removed when its page fails.");
+             "write_pages(namespace, keys, root, tag, payloads, chunk, stop, fsync, measure) -> (results, added_bytes)\n\n"
+             "Writes each payload with its header under a temporary name (with `tag`, bytes, as\n"
+             "FileConnector._tmp_path makes it) and renames it to its page file under root. added_bytes: by how\n"
+             "much the written pages grew the tree (with measure, the sizes of files replaced are subtracted).\n"
+             "A temporary file is removed when its page fails.");
 
 static PyObject *write_pages(PyObject *self, PyObject *args) {
     const char *ns;
     Py_ssize_t ns_len, chunk;
-    PyObject *keys, *paths, *tmps, *bufs;
+    PyObject *keys, *root, *tag, *bufs;
     Py_buffer stop;
     int do_fsync, measure;
-    if (!PyArg_ParseTuple(args, "s#OOOOny*pp", &ns, &ns_len, &keys, &paths, &tmps, &bufs, &chunk, &stop, &do_fsync,
+    if (!PyArg_ParseTuple(args, "s#OOOOny*pp", &ns, &ns_len, &keys, &root, &tag, &bufs, &chunk, &stop, &do_fsync,
                           &measure))
         return NULL;
     Batch b;
-    int ran = batch_init(&b, keys, paths, tmps, bufs, 0, chunk) == 0;
+    int ran = batch_init(&b, ns, ns_len, keys, root, tag, bufs, 0, chunk) == 0;
     int64_t added = 0;
     if (ran) {
         Py_BEGIN_ALLOW_THREADS
@@ -464,7 +537,10 @@ PyMODINIT_FUNC PyInit__pageio(void) {
         PyModule_AddIntConstant(m, "SHORT", RESULT_SHORT) < 0 || PyModule_AddIntConstant(m, "MAGIC_BAD", RESULT_MAGIC) < 0 ||
         PyModule_AddIntConstant(m, "VERSION_BAD", RESULT_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "LENGTH_BAD", RESULT_LENGTH) < 0 || PyModule_AddIntConstant(m, "KEY_BAD", RESULT_KEY) < 0 ||
-        PyModule_AddIntConstant(m, "CHECKSUM_BAD", RESULT_CHECKSUM) < 0) {
+        PyModule_AddIntConstant(m, "CHECKSUM_BAD", RESULT_CHECKSUM) < 0 ||
+        PyModule_AddIntConstant(m, "BAD_KEY", RESULT_BAD_KEY) < 0 || PyModule_AddIntConstant(m, "API", API_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "KEY_MAX_LEN", KEY_MAX_LEN) < 0 ||
+        PyModule_AddIntConstant(m, "NAMESPACE_MAX_LEN", NAMESPACE_MAX_LEN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

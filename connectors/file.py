@@ -24,23 +24,34 @@ import aiofiles.ospath
 import xxhash
 
 from config import Config, resolve_path
-from hicached.keys import all_valid_keys, valid_key, valid_namespace
+from hicached.keys import KEY_MAX_LEN, NAMESPACE_MAX_LEN, valid_key, valid_namespace
 
 from . import file_janitor, header
 from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector
 
 log = logging.getLogger("hicached.connectors.file")
 
+_PAGEIO_API = 2  # the arguments of connectors._pageio's functions that this file calls them with
 try:  # the C page I/O (connectors/_pageio.c), built by the install where a C compiler is at hand
     from . import _pageio
 except ImportError:
     _pageio = None
-if _pageio is not None and (_pageio.HEADER_SIZE, _pageio.MAGIC, _pageio.VERSION) != (
+if _pageio is not None and (
+    _pageio.HEADER_SIZE,
+    _pageio.MAGIC,
+    _pageio.VERSION,
+    getattr(_pageio, "API", 1),
+    getattr(_pageio, "KEY_MAX_LEN", 0),
+    getattr(_pageio, "NAMESPACE_MAX_LEN", 0),
+) != (
     header.HEADER_SIZE,
     header.MAGIC,
     header.VERSION,
-):  # built from another version of the sources: its pages would not verify here, so it is not used
-    log.warning("file: connectors._pageio does not match connectors/header.py; reinstall to rebuild it")
+    _PAGEIO_API,
+    KEY_MAX_LEN,
+    NAMESPACE_MAX_LEN,
+):  # built from other sources: its pages might not verify here, or its calls not fit; not used
+    log.warning("file: connectors._pageio was built from other sources; reinstall to rebuild it")
     _pageio = None
 # What its result codes mean (besides 0, done, and an errno): CorruptPage reasons and messages as
 # header.parse words them.
@@ -95,13 +106,6 @@ def _lower_priority(increment: int, sched_idle: bool) -> None:
 
 def _errname(e: OSError) -> str:
     return errno.errorcode.get(e.errno or 0, "EIO")
-
-
-def _valid_positions(keys: Sequence[str]) -> Sequence[int]:
-    """Positions of the valid keys (all of them, as a rule: the daemon checked them already)."""
-    if all_valid_keys(keys):
-        return range(len(keys))
-    return [i for i, key in enumerate(keys) if valid_key(key)]
 
 
 def _native_write_result(code: int) -> str | None:
@@ -200,6 +204,9 @@ class FileConnector(Connector):
         # and a counter, instead of a getrandom call per page.
         self._tmp_tag = secrets.token_hex(4)
         self._tmp_seq = itertools.count()
+        # The C page I/O counts its own names: a "c" after the tag keeps them apart from these.
+        self._native_tmp_tag = f"{self._tmp_tag}c".encode()
+        self._root_bytes = os.fsencode(self.root)
         # Capacity bound (0: none). The bytes of page files are an estimate kept by the io threads (puts,
         # deletes, corrupt pages removed) and made exact by each janitor scan.
         self._max_bytes = fc.max_bytes
@@ -480,19 +487,18 @@ class FileConnector(Connector):
         return out
 
     def _write_chunk_native(self, namespace: str, keys, views, stop: bytearray) -> list[str | None]:
-        """_write_chunk with connectors._pageio: the pages of the job written with the GIL released once."""
-        out: list[str | None] = ["invalid_key"] * len(keys)
-        todo = _valid_positions(keys)
+        """_write_chunk with connectors._pageio: the pages of the job written with the GIL released once,
+        under names made there (an invalid key is refused, no file touched)."""
+        out: list[str | None] = [None] * len(keys)
+        todo = range(len(keys))
         retried = False
         while todo:
             some = [keys[i] for i in todo]
-            finals = [self._path(namespace, key) for key in some]
-            tmps = [self._tmp_path(final, key) for final, key in zip(finals, some, strict=True)]
             codes, added = self._native.write_pages(
                 namespace,
                 some,
-                finals,
-                tmps,
+                self._root_bytes,
+                self._native_tmp_tag,
                 [views[i] for i in todo],
                 _CHUNK,
                 stop,
@@ -501,9 +507,13 @@ class FileConnector(Connector):
             )
             self._add_stored(added)
             missing = []
-            for i, final, code in zip(todo, finals, codes, strict=True):
+            for i, key, code in zip(todo, some, codes, strict=True):
+                if code == self._native.BAD_KEY:
+                    out[i] = "invalid_key"
+                    continue
                 out[i] = _native_write_result(code)
                 if code == errno.ENOENT and not retried:  # the first page of a shard
+                    final = self._path(namespace, key)
                     try:
                         self._make_shard(final[: final.rindex("/")])
                         missing.append(i)
@@ -595,34 +605,36 @@ class FileConnector(Connector):
 
     def _read_chunk_native(self, namespace: str, keys, views, stop: bytearray) -> list[Any]:
         """_read_chunk with connectors._pageio: the pages of the job read and verified with the GIL released
-        once; a page that does not verify is removed there, as _read_one does."""
-        out: list[Any] = [_MISS] * len(keys)
-        todo = _valid_positions(keys)
-        if len(todo) < len(keys):
-            keys, views = [keys[i] for i in todo], [views[i] for i in todo]
-        paths = [self._path(namespace, key) for key in keys]
+        once, under names made there (an invalid key is a miss, no file touched); a page that does not
+        verify is removed there, as _read_one does."""
         codes, removed = self._native.read_pages(
             namespace,
             list(keys),
-            paths,
+            self._root_bytes,
             list(views),
             _CHUNK,
             stop,
             _TOUCH_AFTER_S if self._max_bytes else -1.0,
         )
         self._add_stored(-removed)
+        if not any(codes):  # every page read: the usual answer
+            return [_HIT] * len(codes)
+        out: list[Any] = [_MISS] * len(keys)
         absent = False
-        for i, path, code in zip(todo, paths, codes, strict=True):
+        native = self._native
+        for i, code in enumerate(codes):
             if code == 0:
                 out[i] = _HIT
-            elif code == self._native.CANCELLED:
+            elif code == native.CANCELLED:
                 out[i] = _CANCELLED
+            elif code == native.BAD_KEY:
+                pass
             elif code < 0:
                 out[i] = header.CorruptPage(*_NATIVE_CORRUPT[code])
             elif code in (errno.ENOENT, errno.ENOTDIR):  # from the open: no such page
                 absent = True
             else:
-                out[i] = OSError(code, os.strerror(code), path)
+                out[i] = OSError(code, os.strerror(code), self._path(namespace, keys[i]))
         if absent:  # once per job: a missing page is a miss, a missing root fails the call
             self._check_root()
         return out

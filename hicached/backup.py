@@ -152,27 +152,28 @@ class Backup:
                     self._idle.set()
 
     async def _write(self, ns: str, entries: list[Entry]) -> None:
-        for e in entries:
-            self.index.lease(e)
+        self.index.lease_all(entries)
         try:
             await self._write_leased(ns, entries)
         finally:
             for e in entries:
                 e.queued = False
-                self.index.unlease(e)
+            self.index.unlease_all(entries)
 
     async def _write_leased(self, ns: str, todo: list[Entry]) -> None:
         attempt = 1
         last_error = "the backend refused the pages"
         while todo:
-            todo = [e for e in todo if self.index.live(e) and e.dirty and e.state == READY]
+            live = self.index.ns_entries(ns).get  # index.live, inlined: this runs for every page
+            todo = [e for e in todo if live(e.key) is e and e.dirty and e.state == READY]
             if not todo or self.backend.current is None:
                 return  # detached: the tiers queue pages that are not in L3 again when a backend attaches
             try:
                 # No lookup before the write: pages known to be in L3 never get here (Tiers remembers
                 # them), and a lookup per page cost as much as the write itself on S3.
                 keys = [e.key for e in todo]
-                views = [self.pool.slot(e.offset, e.size) for e in todo]
+                pool = self.pool.view  # Pool.slot, inlined
+                views = [pool[e.offset : e.offset + e.size] for e in todo]
                 ok = await self.backend.call("put", lambda c, keys=keys, views=views: c.put(ns, keys, views))
                 failed, nbytes = [], 0
                 for e, good in zip(todo, ok, strict=True):

@@ -712,24 +712,61 @@ async def test_both_page_io_paths_write_the_same_bytes_and_read_each_other(tmp_p
 def test_native_page_io_refuses_bad_arguments(tmp_path) -> None:
     io = file_module._pageio
     stop = bytearray(1)
-    path = str(tmp_path / "p")
+    root = os.fsencode(tmp_path)
     with pytest.raises(ValueError):
-        io.read_pages(NS, [key(1)], [path, path], [bytearray(8)], 1024, stop, -1.0)
+        io.read_pages(NS, [key(1)], root, [bytearray(8), bytearray(8)], 1024, stop, -1.0)
     with pytest.raises(TypeError):
-        io.read_pages(NS, (key(1),), [path], [bytearray(8)], 1024, stop, -1.0)
+        io.read_pages(NS, (key(1),), root, [bytearray(8)], 1024, stop, -1.0)
     with pytest.raises(TypeError):
-        io.read_pages(NS, [1], [path], [bytearray(8)], 1024, stop, -1.0)
+        io.read_pages(NS, [1], root, [bytearray(8)], 1024, stop, -1.0)
+    with pytest.raises(TypeError):  # the root as str
+        io.read_pages(NS, [key(1)], str(tmp_path), [bytearray(8)], 1024, stop, -1.0)
     with pytest.raises(BufferError):  # read into bytes
-        io.read_pages(NS, [key(1)], [path], [b"12345678"], 1024, stop, -1.0)
+        io.read_pages(NS, [key(1)], root, [b"12345678"], 1024, stop, -1.0)
     with pytest.raises(ValueError):
-        io.write_pages(NS, [key(1)], [path], [path + ".tmp"], [b"x"], 0, stop, False, False)
-    # A cancelled job touches nothing.
-    stop[0] = 1
-    assert io.write_pages(NS, [key(1)], [path], [path + ".tmp"], [b"x"], 1024, stop, False, False) == (
-        [io.CANCELLED],
+        io.write_pages(NS, [key(1)], root, b"t", [b"x"], 0, stop, False, False)
+    for ns in ("", ".", "..", "a/b", "n" * 129, "ns\x00"):
+        with pytest.raises(ValueError, match="namespace"):
+            io.write_pages(ns, [key(1)], root, b"t", [b"x"], 1024, stop, False, False)
+    # A key that is not one (hicached.keys.valid_key) gets no name: nothing is touched, under the root or
+    # outside it.
+    bad = ["", "../../x", "a/b", ".hidden", "k" * 129, "caf\u00e9", "a b"]
+    assert io.write_pages(NS, bad, root, b"t", [b"x"] * len(bad), 1024, stop, False, False) == (
+        [io.BAD_KEY] * len(bad),
         0,
     )
+    assert io.read_pages(NS, bad, root, [bytearray(1) for _ in bad], 1024, stop, -1.0) == (
+        [io.BAD_KEY] * len(bad),
+        0,
+    )
+    # A cancelled job touches nothing.
+    stop[0] = 1
+    assert io.write_pages(NS, [key(1)], root, b"t", [b"x"], 1024, stop, False, False) == ([io.CANCELLED], 0)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("page_io", ["native"], indirect=True)
+async def test_both_page_io_paths_name_files_alike(tmp_path, monkeypatch) -> None:
+    # Short keys are padded for their shard; the C names and FileConnector._path must agree on every key.
+    keys = ["a", "ab", "abc", "abcd", "Z-_9x", key(7), "k" * 128]
+    pages = [page(i, 5000) for i in range(len(keys))]
+    trees = []
+    for native in (True, False):
+        root = tmp_path / ("c" if native else "py")
+        if not native:
+            monkeypatch.setattr(file_module, "_pageio", None)
+        async with started(root) as conn:
+            assert (conn._native is not None) is native
+            assert await conn.put(NS, keys, pages) == [True] * len(keys)
+            for k in keys:
+                assert os.path.isfile(conn._path(NS, k))
+            trees.append(sorted(os.path.relpath(p, root) for p in glob.glob(f"{root}/**/*", recursive=True)))
+    assert trees[0] == trees[1]
+    shutil.rmtree(tmp_path / "py")
+    shutil.copytree(tmp_path / "c", tmp_path / "py")  # the Python path reads what C wrote
+    async with started(tmp_path / "py") as conn:
+        bufs = [memoryview(bytearray(5000)) for _ in keys]
+        assert await conn.get_into(NS, keys, bufs) == [True] * len(keys) and bufs == pages
 
 
 async def test_info_says_which_page_io_runs(tmp_path, page_io: str) -> None:
@@ -795,14 +832,15 @@ async def test_longest_namespace_and_key(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("page_io", ["native"], indirect=True)
-def test_native_page_io_takes_names_longer_than_its_stack_buffer(tmp_path) -> None:
-    # Names past what the daemon accepts still get the right key tag (from a heap buffer).
+def test_native_page_io_takes_the_longest_names(tmp_path) -> None:
+    # The longest namespace and key the daemon accepts: their key tag and names fit.
     io, stop = file_module._pageio, bytearray(1)
-    ns, k, path = "n" * 1000, "k" * 600, str(tmp_path / "p")
+    ns, k = "n" * 128, "k" * 128
     data = page(3, 5000)
-    assert io.write_pages(ns, [k], [path], [path + ".tmp"], [data], 1024, stop, False, False)[0] == [0]
-    with open(path, "rb") as f:
+    os.makedirs(tmp_path / ns / "kk" / "kk")
+    assert io.write_pages(ns, [k], os.fsencode(tmp_path), b"t", [data], 1024, stop, False, False)[0] == [0]
+    with open(tmp_path / ns / "kk" / "kk" / k, "rb") as f:
         header.verify(f.read(header.HEADER_SIZE), ns, k, data)
     buf = bytearray(5000)
-    assert io.read_pages(ns, [k], [path], [buf], 1024, stop, -1.0) == ([0], 0)
+    assert io.read_pages(ns, [k], os.fsencode(tmp_path), [buf], 1024, stop, -1.0) == ([0], 0)
     assert buf == data
