@@ -199,14 +199,42 @@ fail:
     return (int)-got;
 }
 
-static int write_one(Job *j, const char *ns, size_t ns_len, size_t chunk, int do_fsync, int measure) {
+/* The shard directories of a page file (root/namespace/k0k1/k2k3/key) that are missing, as
+   FileConnector._make_shard makes them: up to the namespace's directory, never the root (a missing root
+   stays ENOENT, and fails the call in Python). Made here, one job's new shards cost a few system calls
+   each instead of a return to Python and a second call: with 65536 shards, most pages of a fresh tree
+   open one. 0 or an errno. */
+static int make_shard(const char *path, size_t root_len, size_t ns_len) {
+    /* Where each directory's name ends: the namespace's, k0k1's and k2k3's. */
+    const size_t ends[3] = {root_len + 1 + ns_len, root_len + 1 + ns_len + 3, root_len + 1 + ns_len + 6};
+    char buf[4096];
+    if (ends[2] >= sizeof buf) return ENAMETOOLONG;
+    memcpy(buf, path, ends[2]);
+    buf[ends[2]] = '\0';
+    int level = 2;
+    for (;; level--) { /* up, until a directory is made or found */
+        buf[ends[level]] = '\0';
+        if (mkdir(buf, 0700) == 0 || errno == EEXIST) break;
+        if (errno != ENOENT || level == 0) return errno;
+    }
+    for (level++; level <= 2; level++) { /* then down again */
+        buf[ends[level - 1]] = '/';
+        if (mkdir(buf, 0700) != 0 && errno != EEXIST) return errno;
+    }
+    return 0;
+}
+
+static int write_one(Job *j, const char *ns, size_t ns_len, size_t root_len, size_t chunk, int do_fsync,
+                     int measure) {
     if (j->path == NULL) return RESULT_BAD_KEY;
     const char *tmp = j->tmp, *final = j->path;
     uint64_t tag;
     int err = key_tag(ns, ns_len, j->key, (size_t)j->key_len, &tag);
     if (err) return err;
     int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0) return errno;
+    if (fd < 0 && errno == ENOENT && (err = make_shard(j->path, root_len, ns_len)) == 0)
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) return err ? err : errno;
     const uint8_t *payload = j->buf.buf;
     size_t size = (size_t)j->buf.len;
     uint8_t head[HEADER_SIZE];
@@ -445,7 +473,8 @@ static PyObject *write_pages(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < b.n; i++) {
             Job *j = &b.jobs[i];
-            j->result = stopped(&stop) ? RESULT_CANCELLED : write_one(j, ns, (size_t)ns_len, (size_t)chunk, do_fsync, measure);
+            j->result = stopped(&stop) ? RESULT_CANCELLED : write_one(j, ns, (size_t)ns_len, (size_t)PyBytes_GET_SIZE(root), (size_t)chunk,
+                                                                      do_fsync, measure);
             if (j->result == 0) added += HEADER_SIZE + (int64_t)j->buf.len - j->replaced;
         }
         Py_END_ALLOW_THREADS

@@ -512,7 +512,9 @@ class FileConnector(Connector):
                     out[i] = "invalid_key"
                     continue
                 out[i] = _native_write_result(code)
-                if code == errno.ENOENT and not retried:  # the first page of a shard
+                # The C page I/O makes new shards itself: ENOENT is a missing root (the retry's _make_shard
+                # fails the call) or a shard the janitor removed meanwhile.
+                if code == errno.ENOENT and not retried:
                     final = self._path(namespace, key)
                     try:
                         self._make_shard(final[: final.rindex("/")])
