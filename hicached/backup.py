@@ -11,7 +11,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import groupby
 
 from connectors.base import BackendError
@@ -89,13 +89,21 @@ class Backup:
         self._workers = []
 
     def submit(self, entry: Entry) -> None:
-        if entry.queued or not entry.dirty:
-            return
-        entry.queued = True
-        self.index.update(entry)
-        self._queue.append((time.monotonic(), entry))
-        self._idle.clear()
-        self._wakeup.set()
+        self.submit_many((entry,))
+
+    def submit_many(self, entries: Iterable[Entry]) -> None:
+        """Queues the dirty pages not queued yet: one clock reading and one wake-up for a request's pages."""
+        now, update, queue, n = time.monotonic(), self.index.update, self._queue, 0
+        for entry in entries:
+            if entry.queued or not entry.dirty:
+                continue
+            entry.queued = True
+            update(entry)
+            queue.append((now, entry))
+            n += 1
+        if n:
+            self._idle.clear()
+            self._wakeup.set()
 
     async def drain(self, timeout: float) -> bool:
         """Waits until nothing is queued or in flight; False if `timeout` passed first."""

@@ -202,15 +202,13 @@ class Tiers:
             if self._writeback_task is not None:
                 self._writeback_task.cancel()
                 self._writeback_task = None
-            for entry in list(self.index.dirty.values()):
-                self.backup.submit(entry)
+            self.backup.submit_many(list(self.index.dirty.values()))
 
     async def flush_dirty(self, timeout: float) -> bool:
         """Queue every dirty page for L3 and wait for the queue to drain (shutdown, drain)."""
         if self.connector is None:
             return not self.index.dirty
-        for entry in list(self.index.dirty.values()):
-            self.backup.submit(entry)
+        self.backup.submit_many(list(self.index.dirty.values()))
         return await self.backup.drain(timeout)
 
     # Sessions.
@@ -253,50 +251,70 @@ class Tiers:
     # Store: alloc -> engine writes the bytes -> commit.
 
     def alloc(self, s: Session, keys: list[str]) -> tuple[list[int], list[int]]:
+        """A slot for each key not in L2 yet (ALLOC_WRITE, leased until committed or aborted), in one go:
+        the slots of the whole request are taken together (a full pool's evictions in one loop)."""
         self.last_engine_io = time.monotonic()
-        status, offsets = [], []
+        n = len(keys)
+        status, offsets = [ALLOC_PRESENT] * n, [-1] * n
         through = self.connector is not None and not self.write_back
-        for key in keys:
-            entry = self.index.get(s.ns, key)
+        room = self.backup.queue_pages - self.backup.pending - len(s.writing) if through else n
+        get = self.index.ns_entries(s.ns).get
+        want: list[int] = []  # positions that get a slot
+        first: dict[str, int] = {}  # key -> its first position, for a key asked twice
+        again: list[tuple[int, int]] = []
+        for i, key in enumerate(keys):
+            entry = get(key)
             if entry is not None:
                 if entry.state == READY:
                     self.index.touch(entry)
-                status.append(ALLOC_PRESENT)
-                offsets.append(-1)
-                continue
-            if through and self.backup.pending + len(s.writing) >= self.backup.queue_pages:
+            elif key in first:
+                again.append((i, first[key]))
+            elif len(want) >= room:
                 self.counters["store.busy"] += 1
-                status.append(ALLOC_BUSY)
-                offsets.append(-1)
-                continue
-            entry = self.index.allocate(s.ns, key, s.page_bytes, WRITING)
-            if entry is None:
-                self.counters["store.no_space"] += 1
+                status[i] = ALLOC_BUSY
+                first[key] = i
+            else:
+                want.append(i)
+                first[key] = i
+        if want:
+            cls, slots = self.index.take_slots(s.page_bytes, len(want))
+            entries = self.index.entries_at(
+                s.ns, [keys[i] for i in want[: len(slots)]], s.page_bytes, cls, slots, WRITING, leases=1
+            )
+            for i, entry in zip(want, entries, strict=False):  # entries may be fewer
+                s.writing[entry.key] = entry
+                status[i] = ALLOC_WRITE
+                offsets[i] = entry.offset
+            if len(entries) < len(want):
+                self.counters["store.no_space"] += len(want) - len(entries)
                 if self.write_back:
                     self._pressure.set()
-                status.append(ALLOC_NO_SPACE)
-                offsets.append(-1)
-                continue
-            self.index.lease(entry)
-            s.writing[key] = entry
-            status.append(ALLOC_WRITE)
-            offsets.append(entry.offset)
+                for i in want[len(entries) :]:
+                    status[i] = ALLOC_NO_SPACE
+        for i, j in again:  # as if asked after its first place: there now, or refused alike
+            if status[j] != ALLOC_WRITE:
+                status[i] = status[j]
+                self.counters["store.busy" if status[j] == ALLOC_BUSY else "store.no_space"] += 1
         return status, offsets
 
     def commit(self, s: Session, keys: list[str]) -> list[bool]:
         out = []
+        backup = []
         for key in keys:
             entry = s.writing.pop(key, None)
             if entry is None:
                 out.append(False)
                 continue
-            self._stored(entry)
+            if self._stored(entry):
+                backup.append(entry)
             out.append(True)
+        self.backup.submit_many(backup)
         self._after_stores()
         return out
 
-    def _stored(self, entry: Entry) -> None:
-        """A page whose bytes the engine has written (leased while it did) becomes ready."""
+    def _stored(self, entry: Entry) -> bool:
+        """A page whose bytes the engine has written (leased while it did) becomes ready. True when it
+        is for the backup queue now (write-through): the caller submits a request's pages together."""
         entry.state = READY
         k = (entry.ns, entry.key)
         if k in self.known_in_l3:
@@ -305,10 +323,9 @@ class Tiers:
             self.counters["store.known_in_l3"] += 1
         entry.dirty = self.connector is not None and not entry.in_l3
         self.index.unlease(entry)
-        if entry.dirty and not self.write_back:
-            self.backup.submit(entry)
         self.counters["store.pages"] += 1
         self.counters["store.bytes"] += entry.size
+        return entry.dirty and not self.write_back
 
     def _after_stores(self) -> None:
         if self.write_back and self.index.reclaimable_fraction() < self.cfg.pool.writeback_low_watermark:
@@ -348,6 +365,7 @@ class Tiers:
         self.last_engine_io = time.monotonic()
         through = self.connector is not None and not self.write_back
         status = []
+        backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
         for key, off in zip(keys, offsets, strict=True):
             entry = self.index.get(s.ns, key)
             if entry is not None:
@@ -355,14 +373,16 @@ class Tiers:
                     self.index.touch(entry)
                 status.append(PUT_PRESENT)
                 continue
-            if through and self.backup.pending + len(s.writing) >= self.backup.queue_pages:
+            if through and self.backup.pending + len(backup) + len(s.writing) >= self.backup.queue_pages:
                 self.counters["store.busy"] += 1
                 status.append(PUT_BUSY)
                 continue
             entry = s.reserved.pop(off)
             self.index.bind(entry, key)
-            self._stored(entry)
+            if self._stored(entry):
+                backup.append(entry)
             status.append(PUT_STORED)
+        self.backup.submit_many(backup)
         self._after_stores()
         return status
 

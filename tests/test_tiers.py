@@ -197,6 +197,41 @@ async def test_backup_queue_bound_is_back_pressure(tmp_path):
         await close_tiers(t)
 
 
+async def test_alloc_takes_a_requests_slots_together_as_one_by_one_would(tmp_path):
+    # 8 MiB of 64 KiB pages: 128 slots. Keys asked twice, pages present, a pool that runs out half-way.
+    t = await make_tiers(tmp_path, connector=None, backend="none")
+    try:
+        s = session(t)
+        assert write(t, s, ["old"]) == [True]
+        status, offsets = t.alloc(s, ["a", "old", "b", "a", "b"])
+        assert status == [ALLOC_WRITE, ALLOC_PRESENT, ALLOC_WRITE, ALLOC_PRESENT, ALLOC_PRESENT]
+        assert offsets[1] == offsets[3] == offsets[4] == -1 and -1 < offsets[0] != offsets[2] > -1
+        assert sorted(s.writing) == ["a", "b"] and all(e.leases == 1 for e in s.writing.values())
+        t.commit(s, ["a", "b"])
+        lease, _ = await t.acquire(s, ["old", "a", "b"], fetch=False)  # nothing left that can be evicted
+        keys = [f"k{i}" for i in range(130)]
+        status, offsets = t.alloc(s, [*keys, "k0", "k129"])
+        assert status == [ALLOC_WRITE] * 125 + [ALLOC_NO_SPACE] * 5 + [ALLOC_PRESENT, ALLOC_NO_SPACE]
+        assert offsets[125:] == [-1] * 7 and len(set(offsets[:125])) == 125
+        assert t.counters["store.no_space"] == 6
+        t.abort(s, keys[:125])
+        t.release(s, lease)
+    finally:
+        await close_tiers(t)
+
+
+async def test_alloc_counts_a_key_asked_twice_against_the_backup_bound_once(tmp_path):
+    flaky = FlakyFile(cfg_for(tmp_path), fail=1000)
+    t = await make_tiers(tmp_path, connector=flaky, backup_queue_pages=2, backup_concurrency=1)
+    try:
+        s = session(t)
+        status, _ = t.alloc(s, ["a", "a", "b", "c", "c"])
+        assert status == [ALLOC_WRITE, ALLOC_PRESENT, ALLOC_WRITE, ALLOC_BUSY, ALLOC_BUSY]
+        assert t.counters["store.busy"] == 2
+    finally:
+        await close_tiers(t)
+
+
 async def test_put_into_reserved_slots_is_back_pressured_too(tmp_path):
     flaky = FlakyFile(cfg_for(tmp_path), fail=1000)
     t = await make_tiers(tmp_path, connector=flaky, backup_queue_pages=4, backup_concurrency=1)
