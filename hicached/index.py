@@ -215,7 +215,7 @@ class PageIndex:
         leases: int,
     ) -> list[Entry]:
         """entry_at for each of `keys` (all different and new) in the slots `offsets` from take_slots, with
-        `leases` leases each, in one loop: a prefetch makes an entry for every page it reads."""
+        `leases` leases each, in one loop: prefetch and alloc make an entry for every page of a request."""
         d = self._by_ns.get(ns)
         if d is None:
             d = self._by_ns[ns] = {}
