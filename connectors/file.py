@@ -31,7 +31,7 @@ from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connec
 
 log = logging.getLogger("hicached.connectors.file")
 
-_PAGEIO_API = 2  # the arguments of connectors._pageio's functions that this file calls them with
+_PAGEIO_API = 3  # the arguments and answers of connectors._pageio that this file was written for
 try:  # the C page I/O (connectors/_pageio.c), built by the install where a C compiler is at hand
     from . import _pageio
 except ImportError:
@@ -109,9 +109,12 @@ def _errname(e: OSError) -> str:
 
 
 def _native_write_result(code: int) -> str | None:
-    """A write result of connectors._pageio as _write_chunk reports it: None, _CANCELLED or an errno name."""
+    """A write result of connectors._pageio as _write_chunk reports it: None, _CANCELLED, "invalid_key" or
+    an errno name."""
     if code == 0:
         return None
+    if code == _pageio.BAD_KEY:
+        return "invalid_key"
     return _CANCELLED if code < 0 else errno.errorcode.get(code, "EIO")
 
 
@@ -183,6 +186,7 @@ class FileConnector(Connector):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         fc = cfg.storage.file
+        self._cfg_file = fc
         self.root = resolve_path(cfg, fc.root)
         self._fsync = fc.fsync
         self._threads = fc.io_threads or default_io_threads()
@@ -196,9 +200,13 @@ class FileConnector(Connector):
             initializer=_lower_priority,
             initargs=(fc.write_nice, fc.write_sched_idle),
         )
-        # Page I/O in C, one GIL release per job, where the module was built; else the Python path, which
-        # writes and reads the same files (the tests run both).
+        # Page I/O in C where the module was built: jobs run on threads of its own (connectors._pageio.Engine,
+        # made at start) that never take the GIL. Else the Python path on the executors above, which writes
+        # and reads the same files (the tests run both).
         self._native = _pageio
+        self._engines: tuple[Any, Any] | None = None  # (reads, writes)
+        self._engine_loop: asyncio.AbstractEventLoop | None = None  # the loop that watches their eventfds
+        self._in_engines = 0  # jobs submitted and not yet reaped
         self._closed = False
         # Temporary names: a tag drawn once (a restarted daemon must not meet its predecessor's leftovers)
         # and a counter, instead of a getrandom call per page.
@@ -235,6 +243,16 @@ class FileConnector(Connector):
             raise BackendMisconfigured(self.name, f"storage.file.root {self.root} is unusable: {e}") from None
         except OSError as e:
             raise BackendUnavailable(self.name, f"cannot create {self.root}: {e}", _errname(e)) from None
+        if self._native is not None and self._engines is None:
+            fc = self._cfg_file
+            self._engines = (
+                self._native.Engine(self._threads),
+                self._native.Engine(self._threads, fc.write_nice, fc.write_sched_idle),
+            )
+            err = self._engines[1].info["priority_errno"]
+            if err:  # not fatal: the writes still run, at the daemon's priority
+                log.warning("file: could not lower the priority of the write threads: %s", os.strerror(err))
+            self._watch(asyncio.get_running_loop())
         if self._janitor is None:
             if self._native is not None:
                 log.info("file: %s, %d io threads, page I/O in C (_pageio)", self.root, self._threads)
@@ -260,6 +278,36 @@ class FileConnector(Connector):
             self._executor.shutdown(wait=False)
             self._write_executor.shutdown(wait=False)
             self._scan_executor.shutdown(wait=False)
+            if self._engines is not None:
+                for engine in self._engines:
+                    engine.close()
+                if not self._in_engines:
+                    self._unwatch()  # else once the last job is reaped
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Has `loop` reap the engines' finished jobs (moving from a loop used before, if any)."""
+        self._unwatch()
+        for engine in self._engines or ():
+            loop.add_reader(engine.fileno(), self._reap, engine)
+        self._engine_loop = loop
+
+    def _unwatch(self) -> None:
+        loop, self._engine_loop = self._engine_loop, None
+        if loop is not None and not loop.is_closed():
+            for engine in self._engines or ():
+                loop.remove_reader(engine.fileno())
+
+    def _reap(self, engine: Any) -> None:
+        """The loop's reader callback: hands each finished job's answer to the call waiting for it (gone
+        after a time-out) and counts the bytes it added to or removed from the tree."""
+        for future, results, total, root_errno in engine.reap():
+            self._in_engines -= 1
+            if total:  # the tree grew by a put, or shrank by a delete or corrupt pages removed
+                self._add_stored(total)
+            if not future.done():
+                future.set_result((results, root_errno))
+        if self._closed and not self._in_engines:
+            self._unwatch()
 
     def info(self) -> dict:
         return {
@@ -341,7 +389,12 @@ class FileConnector(Connector):
         if not valid_namespace(namespace):
             self.counters["errors.invalid_namespace"] += len(keys)
             return [False] * len(keys)
-        results = await self._batch(self._write_chunk, namespace, keys, views, "put", self._write_executor)
+        if self._engines is not None:
+            results = await self._engine_put(namespace, keys, views)
+        else:
+            results = await self._batch(
+                self._write_chunk, namespace, keys, views, "put", self._write_executor
+            )
         ok = []
         for result, view in zip(results, views, strict=True):
             ok.append(result is None)
@@ -367,7 +420,10 @@ class FileConnector(Connector):
         self.counters["gets"] += len(keys)
         results = [_MISS] * len(keys)
         if keys and valid_namespace(namespace):
-            results = await self._batch(self._read_chunk, namespace, keys, views, "get")
+            if self._engines is not None:
+                results = await self._engine_get(namespace, keys, views)
+            else:
+                results = await self._batch(self._read_chunk, namespace, keys, views, "get")
         hits = [result == _HIT for result in results]
         nhits = hits.count(True)
         self.counters["hits"] += nhits
@@ -391,12 +447,18 @@ class FileConnector(Connector):
         if not keys or not valid_namespace(namespace):
             return 0
         # Stat alone (no payload read): one job for the whole list, stopping at the first hole.
+        if self._engines is not None:
+            codes = await self._engine_names("exists", namespace, keys)
+            return next((i for i, code in enumerate(codes) if code), len(codes))
         return await self._call(aiofiles.ospath.wrap(self._leading_present), namespace, keys, what="exists")
 
     async def delete(self, namespace: str, keys: Sequence[str]) -> int:
         if not keys or not valid_namespace(namespace):
             return 0
-        removed = await self._call(aiofiles.ospath.wrap(self._remove_all), namespace, keys, what="delete")
+        if self._engines is not None:
+            removed = (await self._engine_names("delete", namespace, keys)).count(0)
+        else:
+            removed = await self._call(aiofiles.ospath.wrap(self._remove_all), namespace, keys, what="delete")
         self.counters["deletes"] += removed
         return removed
 
@@ -424,10 +486,8 @@ class FileConnector(Connector):
         executor: ThreadPoolExecutor | None = None,
     ) -> list:
         """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES)."""
-        stop = bytearray(1)  # set to 1 to cancel: read by the C page I/O as well as by the Python loops
-        n = len(keys)
-        jobs = max(1, min(self._threads, n, sum(map(len, views)) // _JOB_MIN_BYTES))  # byte views
-        parts = [slice(i * n // jobs, (i + 1) * n // jobs) for i in range(jobs)]
+        stop = bytearray(1)  # set to 1 to cancel: read by the Python loops before each page
+        parts = self._parts(views)
 
         async def run_all(executor: ThreadPoolExecutor) -> list:
             run = asyncio.get_running_loop().run_in_executor
@@ -449,6 +509,86 @@ class FileConnector(Connector):
             out.extend(part)
         return out
 
+    def _parts(self, views: list[memoryview]) -> list[slice]:
+        """A batch cut into jobs, in order: at most one an io thread, each of _JOB_MIN_BYTES or more."""
+        n = len(views)
+        jobs = max(1, min(self._threads, n, sum(map(len, views)) // _JOB_MIN_BYTES))  # byte views
+        return [slice(i * n // jobs, (i + 1) * n // jobs) for i in range(jobs)]
+
+    async def _engine_run(self, what: str, stop: bytearray, calls: list[tuple[Callable, tuple]]) -> list:
+        """Runs jobs on the C engines: each (submit, args) is queued at once with a future of its own, which
+        _reap completes; returns each job's result codes, in order."""
+        if self._closed:
+            raise BackendUnavailable(self.name, "connector is closed", "closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._engine_loop:  # a connector started on one loop and used on another
+            self._watch(loop)
+        futures = []
+        try:
+            for submit, args in calls:
+                future = loop.create_future()
+                submit(future, *args)
+                self._in_engines += 1
+                futures.append(future)
+            # Every job is awaited before we answer (unless timed out), so no thread writes into a buffer
+            # that the caller already took back as a miss.
+            async with asyncio.timeout(self._timeout):
+                done = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
+        except TimeoutError:
+            self.counters["errors.timeout"] += 1
+            raise BackendUnavailable(self.name, f"{what} took over {self._timeout}s", "timeout") from None
+        finally:
+            stop[0] = 1  # after a time-out, the threads stop before their next page
+        for _, root_errno in done:
+            if root_errno:  # a missing page is a miss, a missing root fails the call
+                self._root_unusable(root_errno)
+        return [codes for codes, _ in done]
+
+    async def _engine_put(self, namespace: str, keys, views: list[memoryview]) -> list[str | None]:
+        stop = bytearray(1)  # set to 1 to cancel: the engine's threads read it before each page
+        write, root, tag = self._engines[1].write, self._root_bytes, self._native_tmp_tag
+        measure = bool(self._max_bytes)  # a bound wants the estimate right: the sizes of files replaced
+        calls = [
+            (write, (namespace, list(keys[s]), root, tag, views[s], _CHUNK, stop, self._fsync, measure))
+            for s in self._parts(views)
+        ]
+        done = await self._engine_run("put", stop, calls)
+        return [result for codes in done for result in map(_native_write_result, codes)]
+
+    async def _engine_get(self, namespace: str, keys, views: list[memoryview]) -> list[Any]:
+        stop = bytearray(1)
+        read, root, touch = (
+            self._engines[0].read,
+            self._root_bytes,
+            _TOUCH_AFTER_S if self._max_bytes else -1.0,
+        )
+        parts = self._parts(views)
+        calls = [(read, (namespace, list(keys[s]), root, views[s], _CHUNK, stop, touch)) for s in parts]
+        done = await self._engine_run("get", stop, calls)
+        out: list[Any] = []
+        for s, codes in zip(parts, done, strict=True):
+            out.extend(self._read_results(namespace, keys[s], codes))
+        return out
+
+    async def _engine_names(self, what: str, namespace: str, keys: Sequence[str]) -> list[int]:
+        """exists or delete on the read engine: one job, a result code a page."""
+        stop = bytearray(1)
+        submit = getattr(self._engines[0], what)
+        [codes] = await self._engine_run(
+            what, stop, [(submit, (namespace, list(keys), self._root_bytes, stop))]
+        )
+        for code in codes:
+            if code > 0 and code not in (errno.ENOENT, errno.ENOTDIR):  # as the Python path raises it
+                e = OSError(code, os.strerror(code))
+                raise BackendUnavailable(self.name, f"{what} failed: {e}", _errname(e))
+        return codes
+
+    def _root_unusable(self, err: int) -> None:
+        if err == errno.ENOTDIR:
+            raise BackendUnavailable(self.name, f"root {self.root} is not a directory", "ENOTDIR")
+        e = OSError(err, os.strerror(err), self.root)
+        raise BackendUnavailable(self.name, f"root {self.root} is unusable: {e}", _errname(e))
+
     def _path(self, namespace: str, key: str) -> str:
         shard = key if len(key) >= 4 else key.ljust(4, "_")
         return f"{self.root}/{namespace}/{shard[0:2]}/{shard[2:4]}/{key}"
@@ -458,9 +598,9 @@ class FileConnector(Connector):
         try:
             st = os.stat(self.root)
         except OSError as e:
-            raise BackendUnavailable(self.name, f"root {self.root} is unusable: {e}", _errname(e)) from None
+            self._root_unusable(e.errno or errno.EIO)
         if not stat.S_ISDIR(st.st_mode):
-            raise BackendUnavailable(self.name, f"root {self.root} is not a directory", "ENOTDIR")
+            self._root_unusable(errno.ENOTDIR)
 
     def _add_stored(self, nbytes: int) -> None:
         if nbytes:
@@ -468,8 +608,6 @@ class FileConnector(Connector):
                 self._stored += nbytes
 
     def _write_chunk(self, namespace: str, keys, views, stop: bytearray) -> list[str | None]:
-        if self._native is not None:
-            return self._write_chunk_native(namespace, keys, views, stop)
         out: list[str | None] = []
         added = 0
         for key, view in zip(keys, views, strict=True):
@@ -484,44 +622,6 @@ class FileConnector(Connector):
                 except OSError as e:
                     out.append(_errname(e))
         self._add_stored(added)
-        return out
-
-    def _write_chunk_native(self, namespace: str, keys, views, stop: bytearray) -> list[str | None]:
-        """_write_chunk with connectors._pageio: the pages of the job written with the GIL released once,
-        under names made there (an invalid key is refused, no file touched)."""
-        out: list[str | None] = [None] * len(keys)
-        todo = range(len(keys))
-        retried = False
-        while todo:
-            some = [keys[i] for i in todo]
-            codes, added = self._native.write_pages(
-                namespace,
-                some,
-                self._root_bytes,
-                self._native_tmp_tag,
-                [views[i] for i in todo],
-                _CHUNK,
-                stop,
-                self._fsync,
-                bool(self._max_bytes),  # a bound wants the estimate right: sizes of files replaced
-            )
-            self._add_stored(added)
-            missing = []
-            for i, key, code in zip(todo, some, codes, strict=True):
-                if code == self._native.BAD_KEY:
-                    out[i] = "invalid_key"
-                    continue
-                out[i] = _native_write_result(code)
-                # The C page I/O makes new shards itself: ENOENT is a missing root (the retry's _make_shard
-                # fails the call) or a shard the janitor removed meanwhile.
-                if code == errno.ENOENT and not retried:
-                    final = self._path(namespace, key)
-                    try:
-                        self._make_shard(final[: final.rindex("/")])
-                        missing.append(i)
-                    except OSError as e:
-                        out[i] = _errname(e)
-            todo, retried = missing, True
         return out
 
     def _tmp_path(self, final: str, key: str) -> str:
@@ -583,8 +683,6 @@ class FileConnector(Connector):
             pass
 
     def _read_chunk(self, namespace: str, keys, views, stop: bytearray) -> list[Any]:
-        if self._native is not None:
-            return self._read_chunk_native(namespace, keys, views, stop)
         out: list[Any] = []
         absent = False
         head = memoryview(bytearray(header.HEADER_SIZE))  # one per job: a page's header is parsed at once
@@ -605,40 +703,23 @@ class FileConnector(Connector):
             self._check_root()
         return out
 
-    def _read_chunk_native(self, namespace: str, keys, views, stop: bytearray) -> list[Any]:
-        """_read_chunk with connectors._pageio: the pages of the job read and verified with the GIL released
-        once, under names made there (an invalid key is a miss, no file touched); a page that does not
-        verify is removed there, as _read_one does."""
-        codes, removed = self._native.read_pages(
-            namespace,
-            list(keys),
-            self._root_bytes,
-            list(views),
-            _CHUNK,
-            stop,
-            _TOUCH_AFTER_S if self._max_bytes else -1.0,
-        )
-        self._add_stored(-removed)
+    def _read_results(self, namespace: str, keys, codes: list[int]) -> list[Any]:
+        """The C engine's read codes as _read_chunk reports them (the engine checked the root)."""
         if not any(codes):  # every page read: the usual answer
             return [_HIT] * len(codes)
-        out: list[Any] = [_MISS] * len(keys)
-        absent = False
+        out: list[Any] = [_MISS] * len(codes)
         native = self._native
         for i, code in enumerate(codes):
             if code == 0:
                 out[i] = _HIT
             elif code == native.CANCELLED:
                 out[i] = _CANCELLED
-            elif code == native.BAD_KEY:
+            elif code == native.BAD_KEY or code in (errno.ENOENT, errno.ENOTDIR):  # no such page
                 pass
             elif code < 0:
                 out[i] = header.CorruptPage(*_NATIVE_CORRUPT[code])
-            elif code in (errno.ENOENT, errno.ENOTDIR):  # from the open: no such page
-                absent = True
             else:
                 out[i] = OSError(code, os.strerror(code), self._path(namespace, keys[i]))
-        if absent:  # once per job: a missing page is a miss, a missing root fails the call
-            self._check_root()
         return out
 
     def _read_one(self, namespace: str, key: str, dest: memoryview, head: memoryview) -> Any:

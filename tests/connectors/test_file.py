@@ -295,6 +295,24 @@ async def test_large_batch_is_split_across_threads_in_order(tmp_path) -> None:
         assert all(buf == page(i, n) for i, (buf, n) in enumerate(zip(bufs, sizes, strict=True)))
 
 
+class EngineSpy:
+    """A connectors._pageio.Engine that notes the jobs it is given: (_write_chunk or _read_chunk, pages)."""
+
+    def __init__(self, engine, seen: list[tuple[str, int]]) -> None:
+        self.engine, self.seen = engine, seen
+
+    def read(self, token, namespace, keys, *rest):
+        self.seen.append(("_read_chunk", len(keys)))
+        return self.engine.read(token, namespace, keys, *rest)
+
+    def write(self, token, namespace, keys, *rest):
+        self.seen.append(("_write_chunk", len(keys)))
+        return self.engine.write(token, namespace, keys, *rest)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
 @pytest.mark.parametrize(
     "pages, size, jobs",
     [(16, 256 * KiB, [16]), (16, 2 * MiB, [4, 4, 4, 4]), (3, 8 * MiB, [1, 1, 1]), (40, 2 * MiB, [5] * 8)],
@@ -311,7 +329,10 @@ async def test_batch_goes_to_few_big_jobs(tmp_path, pages: int, size: int, jobs:
 
             return chunk
 
-        conn._write_chunk, conn._read_chunk = spy(conn._write_chunk), spy(conn._read_chunk)
+        if conn._engines is not None:  # the C engines: the jobs they are given
+            conn._engines = tuple(EngineSpy(e, seen) for e in conn._engines)
+        else:
+            conn._write_chunk, conn._read_chunk = spy(conn._write_chunk), spy(conn._read_chunk)
         keys = [key(i) for i in range(pages)]
         assert await conn.put(NS, keys, [page(i, size) for i in range(pages)]) == [True] * pages
         assert await conn.get_into(NS, keys, [memoryview(bytearray(size)) for _ in keys]) == [True] * pages
@@ -341,6 +362,13 @@ async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path, idle) -> 
         assert await conn.put(NS, [key(1)], [page(1, 4 * KiB)]) == [True]
         assert await conn.get_into(NS, [key(1)], [memoryview(bytearray(4 * KiB))]) == [True]
         policy = os.sched_getscheduler(0)
+        if conn._engines is not None:  # the C engines' threads, each of them
+            for what, engine in zip(("read", "write"), conn._engines, strict=True):
+                tids = engine.info["thread_ids"]
+                assert len(tids) == 2
+                priorities = {(os.getpriority(os.PRIO_PROCESS, t), os.sched_getscheduler(t)) for t in tids}
+                assert len(priorities) == 1
+                seen[what] = priorities.pop()
         assert seen == {
             "write": (min(19, base + 7), os.SCHED_IDLE if idle else policy),
             "read": (base, policy),
@@ -462,7 +490,8 @@ async def test_root_is_checked_only_after_a_failure(tmp_path, monkeypatch) -> No
             await conn.get_into(NS, missing, [memoryview(bytearray(4 * KiB)) for _ in missing])
             == [False] * 16
         )
-        assert checks == [1]  # once for the job, not once per missing page
+        # Once for the job, not once per missing page; the C engine checks it in the job itself.
+        assert checks == ([] if conn._engines is not None else [1])
 
 
 async def test_invalid_namespace_or_key_never_escapes_the_root(tmp_path) -> None:
@@ -499,19 +528,27 @@ async def test_vanished_root_fails_the_whole_call(tmp_path) -> None:
 
 async def test_timeout_raises_backend_unavailable(tmp_path) -> None:
     async with started(tmp_path, io_threads=1, operation_timeout="50ms") as conn:
-        release = threading.Event()
-        blocker = asyncio.get_running_loop().run_in_executor(conn._executor, release.wait, 5)
-        try:
-            for call in (conn.exists(NS, [key(1)]), conn.get_into(NS, [key(1)], [memoryview(bytearray(1))])):
-                with pytest.raises(BackendUnavailable) as e:
-                    await call
-                assert e.value.reason == "timeout"
-            assert conn.counters["errors.timeout"] == 2
-        finally:
-            release.set()
-            await blocker
-        conn._timeout = 30.0  # the thread is free again: a put goes through (50 ms is short on a busy CI)
+        # A read that hangs: a FIFO in place of the page file, whose open waits for a writer. An exists
+        # queued behind it on the one read thread times out as well.
+        fifo = path_of(conn, key(2))
+        os.makedirs(os.path.dirname(fifo))
+        os.mkfifo(fifo, 0o600)
+        for call in (conn.get_into(NS, [key(2)], [memoryview(bytearray(100))]), conn.exists(NS, [key(1)])):
+            with pytest.raises(BackendUnavailable) as e:
+                await call
+            assert e.value.reason == "timeout"
+        assert conn.counters["errors.timeout"] == 2
+        # Released: the read fails (preadv of a FIFO) and the thread is free again.
+        for _ in range(500):
+            with contextlib.suppress(OSError):  # ENXIO until the io thread has it open
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                break
+            await asyncio.sleep(0.01)
+        conn._timeout = 30.0  # 50 ms is short on a busy CI
         assert await conn.put(NS, [key(1)], [page(1, 100)]) == [True]
+        assert await conn.exists(NS, [key(1)]) == 1
+        buf = memoryview(bytearray(100))
+        assert await conn.get_into(NS, [key(1)], [buf]) == [True] and buf == page(1, 100)
 
 
 async def test_closed_connector_raises(tmp_path) -> None:
@@ -750,14 +787,20 @@ def test_native_page_io_refuses_bad_arguments(tmp_path) -> None:
     assert io.write_pages(NS, bad, root, b"t", [b"x"] * len(bad), 1024, stop, False, False) == (
         [io.BAD_KEY] * len(bad),
         0,
+        0,
     )
     assert io.read_pages(NS, bad, root, [bytearray(1) for _ in bad], 1024, stop, -1.0) == (
         [io.BAD_KEY] * len(bad),
         0,
+        0,
     )
     # A cancelled job touches nothing.
     stop[0] = 1
-    assert io.write_pages(NS, [key(1)], root, b"t", [b"x"], 1024, stop, False, False) == ([io.CANCELLED], 0)
+    assert io.write_pages(NS, [key(1)], root, b"t", [b"x"], 1024, stop, False, False) == (
+        [io.CANCELLED],
+        0,
+        0,
+    )
     assert os.listdir(tmp_path) == []
 
 
@@ -858,5 +901,5 @@ def test_native_page_io_takes_the_longest_names(tmp_path) -> None:
     with open(tmp_path / ns / "kk" / "kk" / k, "rb") as f:
         header.verify(f.read(header.HEADER_SIZE), ns, k, data)
     buf = bytearray(5000)
-    assert io.read_pages(ns, [k], os.fsencode(tmp_path), [buf], 1024, stop, -1.0) == ([0], 0)
+    assert io.read_pages(ns, [k], os.fsencode(tmp_path), [buf], 1024, stop, -1.0) == ([0], 0, 0)
     assert buf == data
