@@ -310,11 +310,16 @@ class FileConnector(Connector):
             self._unwatch()
 
     def info(self) -> dict:
-        return {
+        out = {
             "root": self.root,
             "io_threads": self._threads,
             "page_io": "c" if self._native is not None else "python",  # connectors._pageio built or not
         }
+        if self._engines is not None:  # the C engines' jobs waiting for a thread and being run
+            for what, engine in zip(("reads", "writes"), self._engines, strict=True):
+                e = engine.info
+                out[f"{what}_queued"], out[f"{what}_running"] = e["queued"], e["running"]
+        return out
 
     @property
     def stored_bytes(self) -> int:

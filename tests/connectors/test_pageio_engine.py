@@ -131,6 +131,11 @@ def test_close_runs_what_was_queued_and_refuses_more(tmp_path) -> None:
     fifo = block_with_fifo(str(tmp_path), key(0))
     engine.read("blocked", NS, [key(0)], root, [bytearray(8)], CHUNK, stop, -1.0)
     engine.write("queued", NS, [key(1)], root, b"t", [b"abc"], CHUNK, stop, False, False)
+    deadline = time.monotonic() + 10
+    while engine.info["running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert (engine.info["running"], engine.info["queued"]) == (1, 1)
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.write("late", NS, [key(2)], root, b"t", [b"abc"], CHUNK, stop, False, False)
