@@ -1,5 +1,5 @@
-"""The one compiled part: connectors._pageio, the file connector's page I/O with the GIL released once per
-job, and xxh3 from the vendored xxHash (connectors/_vendor). It is optional: without a C compiler the
+"""The one compiled part: connectors._pageio, the file connector's page I/O on threads of its own that never
+take the GIL, and xxh3 from the vendored xxHash (connectors/_vendor). It is optional: without a C compiler the
 install still succeeds and the file connector uses its Python path (slower, same files)."""
 
 import platform
@@ -20,7 +20,9 @@ setup(
             sources,
             include_dirs=["connectors/_vendor"],
             define_macros=macros,
-            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter"],
+            # -pthread: the module's Engine runs threads of its own (older glibc keeps them in libpthread).
+            extra_compile_args=["-O3", "-std=c11", "-pthread", "-Wall", "-Wno-unused-parameter"],
+            extra_link_args=["-pthread"],
             optional=True,
         )
     ]

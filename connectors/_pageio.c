@@ -1,15 +1,18 @@
-/* connectors._pageio: the file connector's page I/O for a whole job, with the GIL released once.
+/* connectors._pageio: the file connector's page I/O, run by threads of its own that never take the GIL.
 
-   read_pages and write_pages do what FileConnector._read_one / _write_one do in Python (connectors/file.py):
-   open, preadv / pwritev straight between the file and the caller's buffers, the xxh3-64 of each 256 KiB
-   chunk while it is in the CPU cache, the page header of connectors/header.py, temporary name and rename.
-   In Python every page costs several GIL hand-offs between threads that share two or four CPUs; here a
-   job of many pages costs one. The Python code stays the reference: file.py uses this module only when
-   it imports and its header constants match, and the tests run both paths against the same files.
+   A job does for each of its pages what FileConnector._read_one / _write_one do in Python
+   (connectors/file.py): open, preadv / pwritev straight between the file and the caller's buffers, the
+   xxh3-64 of each 256 KiB chunk while it is in the CPU cache, the page header of connectors/header.py,
+   temporary name and rename; and what exists / delete do (stat, unlink). The Python code stays the
+   reference: file.py uses this module only when it imports and its header constants and API match, and
+   the tests run both paths against the same files.
 
-   The page files' names are made here too, as FileConnector._path and _tmp_path make them: a job's Python
-   work is then one call, not a name a page built with the GIL held (~0.7 us a page, while the event loop
-   waits for the GIL).
+   Engine runs jobs on its own threads: the event loop queues a job (its arguments checked, names made and
+   buffers held, with the GIL) and an eventfd it watches says when jobs are done. Python threads would need
+   the GIL to start each job and to hand back its answer, and wait for it while the loop runs Python.
+   read_pages / write_pages run one job in the calling thread, with the GIL released once.
+
+   The page files' names are made here too, as FileConnector._path and _tmp_path make them.
 
    Result codes, one per page: 0 done, > 0 an errno, < 0 one of the RESULT_* values below. */
 
@@ -546,9 +549,8 @@ static PyObject *run_here(Task *t) {
     "buffer and verifies its header and checksum. A page that does not verify is removed if the file\n"          \
     "is still the one read. stop: a buffer whose first byte, once non-zero, cancels the pages not yet\n"          \
     "begun. touch_after < 0: never mark pages used. results: a code a page (0 read, > 0 an errno, < 0 the\n"    \
-    "module's CANCELLED, BAD_KEY or a reason the page is corrupt); total: minus the bytes of corrupt pages\n"   \
-    "removed;\n"                                                                                                 \
-    "root_errno: once a page was not found, 0 if the root is still a directory, else why not."
+    "module's CANCELLED, BAD_KEY or a reason the page is corrupt); total: minus the bytes of corrupt\n"     \
+    "pages removed; root_errno: once a page was not found, 0 if the root is still a directory, else why not."
 
 #define WRITE_ARGS "s#OOOOny*pp"
 #define WRITE_DOC                                                                                                 \
@@ -963,9 +965,9 @@ static PyGetSetDef Engine_getset[] = {
 };
 
 PyDoc_STRVAR(Engine_doc, "Engine(threads, nice=0, sched_idle=False)\n\n"
-                         "`threads` threads of its own that run read and write tasks without the GIL, at `nice` above\n"
-                         "the process's niceness and, with sched_idle, under SCHED_IDLE. The constructor returns once\n"
-                         "every thread runs.");
+                         "`threads` threads of its own that run jobs (read, write, exists, delete) without the GIL,\n"
+                         "at `nice` above the process's niceness and, with sched_idle, under SCHED_IDLE. The\n"
+                         "constructor returns once every thread runs.");
 
 static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "connectors._pageio.Engine",
@@ -1049,7 +1051,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "connectors._pageio", "Page file I/O for the file connector, one GIL release per job.",
+    PyModuleDef_HEAD_INIT, "connectors._pageio", "Page file I/O for the file connector, on threads that never take the GIL.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
