@@ -562,38 +562,47 @@ static PyObject *run_here(Task *t) {
 PyDoc_STRVAR(read_pages_doc, "read_pages(namespace, keys, root, buffers, chunk, stop, touch_after)\n"
                              "-> (results, total, root_errno)\n\n" READ_DOC);
 
-static PyObject *read_pages(PyObject *self, PyObject *args) {
+/* The task of a read call's arguments, with a token first where `token` is not NULL; NULL with an
+   exception set when an argument is wrong. */
+static Task *read_task(PyObject *args, PyObject **token) {
     const char *ns;
     Py_ssize_t ns_len, chunk;
     PyObject *keys, *root, *bufs;
     Py_buffer stop;
     double touch_after;
-    if (!PyArg_ParseTuple(args, READ_ARGS, &ns, &ns_len, &keys, &root, &bufs, &chunk, &stop, &touch_after))
-        return NULL;
-    Task *t = task_new(TASK_READ, ns, ns_len, keys, root, NULL, bufs, chunk, &stop);
+    int ok = token ? PyArg_ParseTuple(args, "O" READ_ARGS, token, &ns, &ns_len, &keys, &root, &bufs, &chunk, &stop,
+                                      &touch_after)
+                   : PyArg_ParseTuple(args, READ_ARGS, &ns, &ns_len, &keys, &root, &bufs, &chunk, &stop, &touch_after);
+    Task *t = ok ? task_new(TASK_READ, ns, ns_len, keys, root, NULL, bufs, chunk, &stop) : NULL;
     if (t != NULL) t->touch_after = touch_after;
-    return run_here(t);
+    return t;
 }
+
+static PyObject *read_pages(PyObject *self, PyObject *args) { return run_here(read_task(args, NULL)); }
 
 PyDoc_STRVAR(write_pages_doc, "write_pages(namespace, keys, root, tag, payloads, chunk, stop, fsync, measure)\n"
                               "-> (results, total, root_errno)\n\n" WRITE_DOC);
 
-static PyObject *write_pages(PyObject *self, PyObject *args) {
+/* read_task, for writes. */
+static Task *write_task(PyObject *args, PyObject **token) {
     const char *ns;
     Py_ssize_t ns_len, chunk;
     PyObject *keys, *root, *tag, *bufs;
     Py_buffer stop;
     int do_fsync, measure;
-    if (!PyArg_ParseTuple(args, WRITE_ARGS, &ns, &ns_len, &keys, &root, &tag, &bufs, &chunk, &stop, &do_fsync,
-                          &measure))
-        return NULL;
-    Task *t = task_new(TASK_WRITE, ns, ns_len, keys, root, tag, bufs, chunk, &stop);
+    int ok = token ? PyArg_ParseTuple(args, "O" WRITE_ARGS, token, &ns, &ns_len, &keys, &root, &tag, &bufs, &chunk,
+                                      &stop, &do_fsync, &measure)
+                   : PyArg_ParseTuple(args, WRITE_ARGS, &ns, &ns_len, &keys, &root, &tag, &bufs, &chunk, &stop,
+                                      &do_fsync, &measure);
+    Task *t = ok ? task_new(TASK_WRITE, ns, ns_len, keys, root, tag, bufs, chunk, &stop) : NULL;
     if (t != NULL) {
         t->do_fsync = do_fsync;
         t->measure = measure;
     }
-    return run_here(t);
+    return t;
 }
+
+static PyObject *write_pages(PyObject *self, PyObject *args) { return run_here(write_task(args, NULL)); }
 
 /* ---- Engine: a pool of threads of its own that run tasks without ever taking the GIL ----
 
@@ -819,22 +828,9 @@ PyDoc_STRVAR(Engine_read_doc, "read(token, namespace, keys, root, buffers, chunk
                               "Queues read_pages' work for the engine's threads; reap() hands back token with its answer.");
 
 static PyObject *Engine_read(Engine *self, PyObject *args) {
-    PyObject *token, *rest, *keys, *root, *bufs;
-    const char *ns;
-    Py_ssize_t ns_len, chunk;
-    Py_buffer stop;
-    double touch_after;
+    PyObject *token = NULL;
     if (open_state(self) == NULL) return NULL;
-    if (PyTuple_GET_SIZE(args) < 1) {
-        PyErr_SetString(PyExc_TypeError, "read() takes a token first");
-        return NULL;
-    }
-    token = PyTuple_GET_ITEM(args, 0);
-    if ((rest = PyTuple_GetSlice(args, 1, PyTuple_GET_SIZE(args))) == NULL) return NULL;
-    int ok = PyArg_ParseTuple(rest, READ_ARGS, &ns, &ns_len, &keys, &root, &bufs, &chunk, &stop, &touch_after);
-    Task *t = ok ? task_new(TASK_READ, ns, ns_len, keys, root, NULL, bufs, chunk, &stop) : NULL;
-    Py_DECREF(rest);
-    if (t != NULL) t->touch_after = touch_after;
+    Task *t = read_task(args, &token);
     return submit(self, t, token);
 }
 
@@ -842,26 +838,9 @@ PyDoc_STRVAR(Engine_write_doc, "write(token, namespace, keys, root, tag, payload
                                "Queues write_pages' work for the engine's threads; reap() hands back token with its answer.");
 
 static PyObject *Engine_write(Engine *self, PyObject *args) {
-    PyObject *token, *rest, *keys, *root, *tag, *bufs;
-    const char *ns;
-    Py_ssize_t ns_len, chunk;
-    Py_buffer stop;
-    int do_fsync, measure;
+    PyObject *token = NULL;
     if (open_state(self) == NULL) return NULL;
-    if (PyTuple_GET_SIZE(args) < 1) {
-        PyErr_SetString(PyExc_TypeError, "write() takes a token first");
-        return NULL;
-    }
-    token = PyTuple_GET_ITEM(args, 0);
-    if ((rest = PyTuple_GetSlice(args, 1, PyTuple_GET_SIZE(args))) == NULL) return NULL;
-    int ok = PyArg_ParseTuple(rest, WRITE_ARGS, &ns, &ns_len, &keys, &root, &tag, &bufs, &chunk, &stop, &do_fsync,
-                              &measure);
-    Task *t = ok ? task_new(TASK_WRITE, ns, ns_len, keys, root, tag, bufs, chunk, &stop) : NULL;
-    Py_DECREF(rest);
-    if (t != NULL) {
-        t->do_fsync = do_fsync;
-        t->measure = measure;
-    }
+    Task *t = write_task(args, &token);
     return submit(self, t, token);
 }
 
