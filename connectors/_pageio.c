@@ -628,6 +628,7 @@ typedef struct {
     Py_ssize_t queued, running; /* tasks */
     pid_t *tids;
     int nthreads;
+    char name[16]; /* the threads' name (top -H, ps -L), at most 15 bytes */
 } EngineState;
 
 typedef struct {
@@ -654,6 +655,7 @@ static void *engine_thread(void *arg) {
     EngineState *s = arg;
     int err = 0;
     pid_t tid = (pid_t)syscall(SYS_gettid);
+    if (s->name[0]) pthread_setname_np(pthread_self(), s->name);
     if (s->nice) { /* each Linux thread has a niceness of its own */
         errno = 0;
         int now = getpriority(PRIO_PROCESS, (id_t)tid);
@@ -710,9 +712,10 @@ static void engine_close_state(EngineState *s) {
 }
 
 static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"threads", "nice", "sched_idle", NULL};
+    static char *kwlist[] = {"threads", "nice", "sched_idle", "name", NULL};
+    const char *name = "";
     int threads, nice = 0, sched_idle = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|ip", kwlist, &threads, &nice, &sched_idle)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|ips", kwlist, &threads, &nice, &sched_idle, &name)) return -1;
     if (self->s != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Engine already started");
         return -1;
@@ -739,6 +742,7 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
     pthread_cond_init(&s->ready, NULL);
     s->nice = nice;
     s->sched_idle = sched_idle;
+    snprintf(s->name, sizeof s->name, "%s", name); /* cut to 15 bytes, as the kernel keeps it */
     s->refs = 1;
     self->s = s;
     /* No signal reaches these threads: Python handles signals on its main thread. */
@@ -943,10 +947,10 @@ static PyGetSetDef Engine_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-PyDoc_STRVAR(Engine_doc, "Engine(threads, nice=0, sched_idle=False)\n\n"
+PyDoc_STRVAR(Engine_doc, "Engine(threads, nice=0, sched_idle=False, name='')\n\n"
                          "`threads` threads of its own that run jobs (read, write, exists, delete) without the GIL,\n"
                          "at `nice` above the process's niceness and, with sched_idle, under SCHED_IDLE. The\n"
-                         "constructor returns once every thread runs.");
+                         "constructor returns once every thread runs. name: the threads' name, cut to 15 bytes.");
 
 static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "connectors._pageio.Engine",

@@ -245,9 +245,9 @@ class FileConnector(Connector):
             raise BackendUnavailable(self.name, f"cannot create {self.root}: {e}", _errname(e)) from None
         if self._native is not None and self._engines is None:
             fc = self._cfg_file
-            self._engines = (
-                self._native.Engine(self._threads),
-                self._native.Engine(self._threads, fc.write_nice, fc.write_sched_idle),
+            self._engines = (  # named as the Python path's threads are, for top -H and ps -L
+                self._native.Engine(self._threads, name="hicached-file"),
+                self._native.Engine(self._threads, fc.write_nice, fc.write_sched_idle, "hicached-file-w"),
             )
             err = self._engines[1].info["priority_errno"]
             if err:  # not fatal: the writes still run, at the daemon's priority

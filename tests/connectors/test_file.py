@@ -7,6 +7,7 @@ import contextlib
 import errno
 import glob
 import os
+import pathlib
 import shutil
 import stat
 import threading
@@ -367,6 +368,8 @@ async def test_writes_run_at_a_lower_cpu_priority_than_reads(tmp_path, idle) -> 
                 tids = engine.info["thread_ids"]
                 assert len(tids) == 2
                 priorities = {(os.getpriority(os.PRIO_PROCESS, t), os.sched_getscheduler(t)) for t in tids}
+                names = {pathlib.Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in tids}
+                assert names == {"hicached-file" if what == "read" else "hicached-file-w"}
                 assert len(priorities) == 1
                 seen[what] = priorities.pop()
         assert seen == {
