@@ -244,19 +244,11 @@ class FileConnector(Connector):
         except OSError as e:
             raise BackendUnavailable(self.name, f"cannot create {self.root}: {e}", _errname(e)) from None
         if self._native is not None and self._engines is None:
-            fc = self._cfg_file
-            self._engines = (  # named as the Python path's threads are, for top -H and ps -L
-                self._native.Engine(self._threads, name="hicached-file"),
-                self._native.Engine(self._threads, fc.write_nice, fc.write_sched_idle, "hicached-file-w"),
-            )
-            err = self._engines[1].info["priority_errno"]
-            if err:  # not fatal: the writes still run, at the daemon's priority
-                log.warning("file: could not lower the priority of the write threads: %s", os.strerror(err))
-            self._watch(asyncio.get_running_loop())
+            self._start_engines()
         if self._janitor is None:
             if self._native is not None:
                 log.info("file: %s, %d io threads, page I/O in C (_pageio)", self.root, self._threads)
-            else:
+            elif _pageio is None:  # else _start_engines said why the C module is not used
                 log.warning(
                     "file: %s, %d io threads, page I/O in Python: connectors._pageio is not built (no C "
                     "compiler at install?); same files, more CPU per page",
@@ -264,6 +256,27 @@ class FileConnector(Connector):
                     self._threads,
                 )
             self._janitor = asyncio.create_task(self._janitor_loop(), name="hicached-file-janitor")
+
+    def _start_engines(self) -> None:
+        """The C engines' threads, named as the Python path's threads are (top -H, ps -L). Where they cannot
+        start (a thread or file limit), the Python path runs instead: the same files, more CPU a page."""
+        fc, made = self._cfg_file, []
+        try:
+            made.append(self._native.Engine(self._threads, name="hicached-file"))
+            made.append(
+                self._native.Engine(self._threads, fc.write_nice, fc.write_sched_idle, "hicached-file-w")
+            )
+        except OSError as e:
+            for engine in made:
+                engine.close()
+            log.warning("file: the C page I/O threads did not start (%s); page I/O in Python instead", e)
+            self._native = None
+            return
+        self._engines = (made[0], made[1])
+        err = made[1].info["priority_errno"]
+        if err:  # not fatal: the writes still run, at the daemon's priority
+            log.warning("file: could not lower the priority of the write threads: %s", os.strerror(err))
+        self._watch(asyncio.get_running_loop())
 
     async def close(self) -> None:
         if not self._closed:

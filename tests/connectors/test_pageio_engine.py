@@ -13,6 +13,7 @@ import os
 import select
 import sys
 import time
+import types
 
 import pytest
 
@@ -254,3 +255,30 @@ def test_a_connector_started_on_one_loop_works_on_another(tmp_path) -> None:
     finally:
         first.close()
         second.close()
+
+
+async def test_engines_that_cannot_start_leave_the_python_path_running(tmp_path, caplog) -> None:
+    # A thread or file limit can stop the engine's threads or eventfd: the connector then runs its Python
+    # path (the same files), after closing an engine that did start.
+    real, made = file_module._pageio, []
+
+    def engine(*args, **kwargs):
+        if made:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        made.append(real.Engine(*args, **kwargs))
+        return made[-1]
+
+    conn = _connector(tmp_path)
+    conn._native = types.SimpleNamespace(
+        **{k: getattr(real, k) for k in dir(real) if k.isupper()}, Engine=engine
+    )
+    await conn.start()
+    try:
+        assert "did not start" in caplog.text and made and made[0].info["closed"]
+        assert conn.info()["page_io"] == "python" and conn._engines is None
+        assert await conn.put(NS, [key(1)], [memoryview(page(1, 5000))]) == [True]
+        buf = memoryview(bytearray(5000))
+        assert await conn.get_into(NS, [key(1)], [buf]) == [True] and buf == page(1, 5000)
+        assert await conn.exists(NS, [key(1)]) == 1
+    finally:
+        await conn.close()
