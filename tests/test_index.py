@@ -4,10 +4,13 @@ Pure bookkeeping: no memory is mapped."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 from collections.abc import Callable
 
 import pytest
 
+from hicached import index as index_module
 from hicached.index import FILLING, QUARANTINED, READY, WRITING, Entry, PageIndex
 from hicached.slabs import SlabAllocator
 
@@ -724,3 +727,28 @@ def test_evictions_are_told_in_one_call_a_request(idx: PageIndex) -> None:
     assert calls == [[e.key for e in pages[:5]]]
     idx.remove(pages[7])
     assert calls[-1] == [pages[7].key]
+
+
+def test_a_growing_index_freezes_its_entries_out_of_the_collectors_sight() -> None:
+    # A full collection scans every tracked object: the index freezes what is alive each time it has grown
+    # by a quarter, from _FREEZE_FROM entries on, after collecting young garbage.
+    page = 4 * KiB
+    n = int(index_module._FREEZE_FROM * index_module._FREEZE_GROWTH) + 10
+    idx = PageIndex(SlabAllocator(n * page + SLAB, SLAB))
+    gc.unfreeze()
+    try:
+        assert gc.get_freeze_count() == 0
+        first = [idx.allocate("ns", key(i), page, READY) for i in range(index_module._FREEZE_FROM - 1)]
+        assert idx.counters["gc_freezes"] == 0
+        idx.allocate("ns", key(index_module._FREEZE_FROM), page, READY)
+        assert idx.counters["gc_freezes"] == 1 and gc.get_freeze_count() >= index_module._FREEZE_FROM
+        cls, slots = idx.take_slots(page, n - index_module._FREEZE_FROM)
+        idx.entries_at("ns", [key(i, "b") for i in range(len(slots))], page, cls, slots, READY, leases=0)
+        assert idx.counters["gc_freezes"] == 2
+        # A frozen entry is still freed by reference counting once it leaves the index: nothing else
+        # holds it (the collector would never find it).
+        gone = first.pop(0)
+        idx.remove(gone)
+        assert sys.getrefcount(gone) == 2  # `gone` and getrefcount's argument
+    finally:
+        gc.unfreeze()
