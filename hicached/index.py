@@ -45,6 +45,7 @@ class Entry:
         "fill",
         "in_lru",
         "in_dirty",
+        "counted_dirty",
     )
 
     def __init__(self, ns: str, key: str, offset: int, size: int, cls: SizeClass, state: str) -> None:
@@ -62,6 +63,7 @@ class Entry:
         self.fill: asyncio.Future[None] | None = None  # while FILLING: done when its batch's read ends
         self.in_lru = False  # filed in its class's LRU (evictable)
         self.in_dirty = False  # filed in PageIndex.dirty
+        self.counted_dirty = False  # counted in PageIndex.dirty_pages
 
     @property
     def evictable(self) -> bool:
@@ -106,6 +108,9 @@ class PageIndex:
         self._classes: dict[int, SizeClass] = {}  # page bytes -> its size class, looked up per page
         # Dirty, ready pages in the order they became dirty: what write-back writes out first.
         self.dirty: OrderedDict[Entry, Entry] = OrderedDict()
+        # Pages not yet in L3, queued for backup or not: counted as update() re-files them, so that stats
+        # and metrics need no walk over every entry (147 ms for 512K entries).
+        self.dirty_pages = 0
         self.evictable_bytes = 0
         self.reserved = 0  # slots set aside for connections' next stores, under no key yet
         self.reserved_bytes = 0
@@ -146,6 +151,9 @@ class PageIndex:
 
     def _delete(self, entry: Entry) -> None:
         del self._by_ns[entry.ns][entry.key]
+        if entry.counted_dirty:
+            entry.counted_dirty = False
+            self.dirty_pages -= 1
         self._count -= 1
 
     def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
@@ -291,6 +299,9 @@ class PageIndex:
         d = self._by_ns.get(entry.ns)  # live(), inlined: this runs for every page taken in or let go
         if d is None or d.get(entry.key) is not entry:
             return  # removed already (a failed fill); late lease releases must not resurrect it
+        if entry.dirty != entry.counted_dirty:
+            entry.counted_dirty = entry.dirty
+            self.dirty_pages += 1 if entry.dirty else -1
         if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
             lru = self._lru.get(entry.cls)
             if lru is None:
@@ -426,7 +437,7 @@ class PageIndex:
             "ready": states[READY],
             "writing": states[WRITING],
             "filling": states[FILLING],
-            "dirty": sum(1 for e in self.entries.values() if e.dirty),
+            "dirty": self.dirty_pages,
             "pinned": sum(1 for e in self.entries.values() if e.pinned),
             "leased": sum(1 for e in self.entries.values() if e.leases),
             "reserved": self.reserved,

@@ -90,11 +90,7 @@ class DaemonCollector(Collector):
             ("hicached_pool_used_bytes", "L2 bytes in slots in use", used),
             ("hicached_pool_pages", "Pages in L2", len(idx.entries)),
             ("hicached_pool_reserved_bytes", "L2 bytes in slots held ahead for stores", idx.reserved_bytes),
-            (
-                "hicached_pool_dirty_pages",
-                "Pages in L2 not yet in L3",
-                sum(1 for e in idx.entries.values() if e.dirty),
-            ),
+            ("hicached_pool_dirty_pages", "Pages in L2 not yet in L3", idx.dirty_pages),
             ("hicached_backup_queue_pages", "Pages queued or being written to L3", tiers.backup.pending),
             ("hicached_prefetch_queue_pages", "Pages queued or being read from L3", tiers.prefetcher.pending),
             ("hicached_connections", "Engine connections", len(d.server.connections) if d.server else 0),

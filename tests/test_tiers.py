@@ -677,3 +677,29 @@ async def test_deferred_backups_still_run_once_their_bound_passes(tmp_path, monk
         assert t.counters["backup.pages"] == 8
     finally:
         await close_tiers(t)
+
+
+async def test_dirty_pages_are_counted_as_they_change(tmp_path):
+    # stats and metrics read PageIndex.dirty_pages instead of walking every entry: it must agree with the
+    # walk through stores, backups, removals, a failing backend and a detach.
+    def walk(t: Tiers) -> int:
+        return sum(1 for e in t.index.entries.values() if e.dirty)
+
+    for policy in ("write_through", "write_back"):
+        t = await make_tiers(tmp_path / policy, write_policy=policy)
+        try:
+            s = session(t)
+            keys = [f"d{i}" for i in range(40)]
+            write(t, s, keys[:30])
+            assert t.index.dirty_pages == walk(t) > 0
+            t.index.remove(t.index.get("ns1", keys[0]))  # a dirty page removed
+            assert t.index.dirty_pages == walk(t)
+            assert await t.flush_dirty(10)
+            assert t.index.dirty_pages == walk(t) == 0
+            write(t, s, keys[30:])
+            assert t.index.dirty_pages == walk(t) == 10
+            t._detached()  # no backend: dirty pages stop holding their slots
+            assert t.index.dirty_pages == walk(t) == 0
+            assert t.index.stats()["dirty"] == 0
+        finally:
+            await close_tiers(t)
