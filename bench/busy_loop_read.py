@@ -95,7 +95,7 @@ async def run(a: argparse.Namespace, root: str) -> None:
     native = file_module._pageio
     paths = [("C engine", native)] if native is not None else []
     paths.append(("Python threads", None))
-    raw = raw_reads(root, keys, page, 0)  # filled after the first put
+    raw: list[float] = []  # raw preadv times, taken once the first connector has put the pages
     print(f"one {a.page_kib} KiB page a read, {a.reads} reads; busy: {a.busy_ms} ms slices of Python")
     print(f"{'path':16s} {'loop':5s} {'p50':>9s} {'p99':>9s} {'max':>9s} {'p50/raw':>8s} timeouts")
     for name, module in paths:

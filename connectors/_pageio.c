@@ -508,7 +508,9 @@ static void task_run(Task *t) {
         default:
             j->result = delete_one(j, &t->total);
         }
-        absent |= j->result == ENOENT || j->result == ENOTDIR;
+        /* exists: a leading prefix ends at its first missing page as a rule; only a first page missing
+           can mean a missing root (as FileConnector._leading_present checks it), so only it costs a stat. */
+        if (t->kind != TASK_EXISTS || i == 0) absent |= j->result == ENOENT || j->result == ENOTDIR;
     }
     /* Once a task: a missing page is a miss, a missing root fails the call (write_one makes missing shards,
        so there ENOENT means the root is gone, or the janitor removed a shard in between). */
