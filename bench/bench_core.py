@@ -35,6 +35,7 @@ import config
 from connectors.file import FileConnector, default_io_threads
 from connectors.header import HEADER_SIZE
 from hicached.client import Client
+from hicached.client_ops import _copy_pages as copy_pages  # None where connectors._pageio is not built
 
 MiB = 1 << 20
 BATCH = 32  # pages per store/load call
@@ -254,6 +255,15 @@ class SizeBench:
             np.copyto(dst, src)
         return now() - t0
 
+    def stream_copy(self) -> float:
+        """The client's own copy into the pool (connectors._pageio.copy_pages: streaming stores on x86-64),
+        raw, BATCH pages a call into the shared mapping: what a store costs without the daemon."""
+        p, t0 = self.p, now()
+        for i in range(0, self.n, BATCH):
+            batch = self.pages[i : i + BATCH]
+            copy_pages(self.raw, [(i + j) * p for j in range(len(batch))], p, batch, True)
+        return now() - t0
+
     def mv_assign(self) -> float:
         mv, p, t0 = memoryview(self.raw), self.p, now()
         for i, src in enumerate(self.pages):
@@ -299,6 +309,14 @@ class SizeBench:
         rows += [
             (f"store {lb} (write-back: L2 alone)", g("store"), g("memcpy"), "GB/s", ">=0.8"),
             (f"store {lb} (write-through)", g("store_wt"), g("memcpy_wt"), "GB/s", ">=0.8"),
+            *(  # what the client's copy method is worth by itself, and the store against it
+                [
+                    ("  the client's copy alone, raw (streaming)", g("stream"), g("memcpy"), "GB/s", ""),
+                    ("  store (write-back) against that copy", g("store"), g("stream"), "GB/s", ""),
+                ]
+                if copy_pages is not None
+                else []
+            ),
             (f"store {lb}, first pass over the pool", self.cold, g("memcpy"), "GB/s", ""),
             (f"backup {lb} L2 -> file (flush only)", g("backup"), g(w), "GB/s", ">=0.8"),
             ("  a bare Python loop with the page format", g("bare_put"), g(w), "GB/s", ""),
@@ -331,6 +349,8 @@ class SizeBench:
                 alone = page_keys(f"{self.ns}/alone{r}", self.n)
                 raw["alone_put"] = self.alone.time(True, self.ns, alone, slots)
                 drop_files(self.root, self.ns, alone)
+                if copy_pages is not None:
+                    raw["stream"] = self.stream_copy()
                 self.keep(r, store=ts, backup=tb, memcpy=self.memcpy(), mv=self.mv_assign(), **raw)
                 self.sets.append(keys)
                 if len(self.sets) > a.pool_bytes // self.nbytes + 1:  # enough to cycle prefetch through

@@ -395,3 +395,62 @@ def test_copy_pages_checks_every_page_before_moving_a_byte():
         copy_pages(mm, [0], 4096, [bytes(4096)], False)  # a read-only destination
     with pytest.raises(TypeError):
         copy_pages(bytes(1 << 16), [0], 4096, [pages[0]], True)  # a read-only pool
+
+
+def _stream_impls() -> list[str]:
+    """The streaming stores this CPU and build can run ('' is a plain memcpy)."""
+    if client_ops_native is None:
+        return []
+    from connectors import _pageio
+
+    return [""] + [name for name in ("sse2", "avx2") if _stream_impl_works(_pageio, name)]
+
+
+def _stream_impl_works(_pageio, name: str) -> bool:
+    try:
+        _pageio.stream_impl(_pageio.stream_impl(name))
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.skipif(client_ops_native is None, reason="connectors._pageio is not built (no C compiler)")
+@pytest.mark.parametrize("impl", _stream_impls())
+@pytest.mark.parametrize("size", [4096, 4096 + 77, 65536 + 128 + 5, 256 << 10])
+def test_copy_pages_into_the_pool_with_streaming_stores(impl, size):
+    """Every byte lands where it belongs and none beside it, whatever the alignment of the slot (a head
+    copied up to a 64-byte boundary, a tail under 128 bytes) and the page's length; loads are memcpy."""
+    import mmap
+
+    from connectors import _pageio
+
+    before = _pageio.stream_impl(impl)
+    try:
+        assert _pageio.stream_impl() == impl
+        rng = np.random.default_rng(size)
+        pool_bytes = 4 * size + 4096
+        mm = mmap.mmap(-1, pool_bytes)
+        mm[:] = b"\xee" * pool_bytes
+        offsets = [1, size + 64 + 63, 2 * size + 200, 3 * size + 4095 - 63]
+        srcs = [rng.bytes(size + 3)[3:] for _ in offsets]  # buffers that start anywhere
+        srcs[1] = memoryview(bytearray(b"\x00" + srcs[1]))[1:]  # a source off any alignment
+        _pageio.copy_pages(mm, offsets, size, srcs, True)
+        expect = bytearray(b"\xee" * pool_bytes)
+        for off, src in zip(offsets, srcs, strict=True):
+            expect[off : off + size] = src
+        assert mm[:] == expect
+        out = [bytearray(size) for _ in offsets]
+        _pageio.copy_pages(mm, offsets, size, out, False)
+        assert [bytes(o) for o in out] == [bytes(s) for s in srcs]
+    finally:
+        _pageio.stream_impl(before)
+
+
+@pytest.mark.skipif(client_ops_native is None, reason="connectors._pageio is not built (no C compiler)")
+def test_stream_impl_refuses_what_it_does_not_have():
+    from connectors import _pageio
+
+    before = _pageio.stream_impl()
+    with pytest.raises(ValueError, match="no streaming stores named 'avx9'"):
+        _pageio.stream_impl("avx9")
+    assert _pageio.stream_impl() == before  # unchanged by the refusal
