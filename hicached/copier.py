@@ -1,9 +1,10 @@
 """The copy executor: moves page bytes between engine regions and L2 pool slots, never on the event loop.
 
 One interface (`Copier.copy`), two implementations chosen per region: host regions are copied by a small
-bounded pool of threads with numpy `copyto` (which releases the GIL, unlike a memoryview slice assignment);
-CUDA regions by one thread per device that owns a CUDA stream (`hicached/cuda_copier.py`). Every job is
-timed from start to end, so the daemon's watchdog can tell a copy that hangs from one that is merely busy.
+bounded pool of threads, in one C call a job (connectors._pageio.copy_ranges, GIL released; numpy `copyto`
+where it is not built); CUDA regions by one thread per device that owns a CUDA stream
+(`hicached/cuda_copier.py`). Every job is timed from start to end, so the daemon's watchdog can tell a copy
+that hangs from one that is merely busy.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from .errors import COPY_FAILED, UNSUPPORTED, HicachedError
 from .geometry import Geometry, Plan, plan, split
 from .pool import Pool
 
+try:  # the compiled part (setup.py); without it, ranges are copied with numpy
+    from connectors._pageio import copy_ranges as _copy_ranges
+except ImportError:
+    _copy_ranges = None
+
 
 def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     """Hands a copy's outcome from a copy thread to the event loop; a closed loop has nobody waiting."""
@@ -35,9 +41,10 @@ log = logging.getLogger("hicached.copier")
 # A thread hop costs ~100-150 us (NOTES), about what 1 MiB of memcpy costs: a request is only cut into
 # several jobs when each gets at least this much.
 SPLIT_MIN_BYTES = 4 << 20
-# Ranges this small cost more in Python (a slice and a call each, ~1.5 us) than in memcpy: when there are
-# many of one length (per-layer slices), they move with one numpy gather and one scatter instead. That
-# moves the bytes twice; measured here it wins up to 4 KiB (1 KiB ranges: 2.5x), and loses from 8 KiB.
+# Without the C module: ranges this small cost more in Python (a slice and a call each, ~1.5 us) than in
+# memcpy: when there are many of one length (per-layer slices), they move with one numpy gather and one
+# scatter instead. That moves the bytes twice; measured here it wins up to 4 KiB (1 KiB ranges: 2.5x), and
+# loses from 8 KiB.
 GATHER_MAX_BYTES = 4 << 10
 GATHER_MIN_RANGES = 32
 
@@ -115,7 +122,13 @@ def _rows(buf: np.ndarray, offs: np.ndarray, length: int) -> tuple[np.ndarray, n
 
 
 def copy_ranges(pool: np.ndarray, region: np.ndarray, p: Plan, to_pool: bool) -> None:
-    """Copy the plan's ranges between `pool` and `region` (1-D uint8 arrays); on a copy thread."""
+    """Copy the plan's ranges between `pool` and `region` (1-D uint8 arrays); on a copy thread. In one C
+    call with the GIL released where connectors._pageio is built (streaming stores into the pool, ~20 ns
+    a range), else with numpy."""
+    if _copy_ranges is not None:
+        offs = (np.ascontiguousarray(a, dtype=np.int64) for a in (p.pool_off, p.region_off, p.length))
+        _copy_ranges(pool, region, *offs, to_pool)
+        return
     small = p.length <= GATHER_MAX_BYTES
     if small.sum() >= GATHER_MIN_RANGES:
         for length in np.unique(p.length[small]).tolist():

@@ -38,6 +38,16 @@ def pool():
     p.close()
 
 
+@pytest.fixture(params=["native", "numpy"])
+def ranges_impl(request, monkeypatch):
+    """copy_ranges in C (connectors._pageio) and the numpy path used where it is not built."""
+    if request.param == "numpy":
+        monkeypatch.setattr(copier_mod, "_copy_ranges", None)
+    elif copier_mod._copy_ranges is None:
+        pytest.skip("connectors._pageio is not built (no C compiler)")
+    return request.param
+
+
 async def test_round_trip_through_the_pool(pool):
     c = Copier(pool, threads=2)
     try:
@@ -63,13 +73,13 @@ async def test_round_trip_through_the_pool(pool):
 
 async def test_large_request_is_cut_across_threads(pool, monkeypatch):
     seen: set[str] = set()
-    real = np.copyto
+    real = copier_mod.copy_ranges
 
-    def spy(dst, src):
+    def spy(*args):
         seen.add(threading.current_thread().name)
-        real(dst, src)
+        real(*args)
 
-    monkeypatch.setattr(copier_mod.np, "copyto", spy)
+    monkeypatch.setattr(copier_mod, "copy_ranges", spy)
     c = Copier(pool, threads=2)
     try:
         page = 1 << 20
@@ -83,14 +93,15 @@ async def test_large_request_is_cut_across_threads(pool, monkeypatch):
         await asyncio.to_thread(c.close)
 
 
-async def test_a_failed_copy_fails_its_request_and_the_copier_goes_on(pool):
+async def test_a_failed_copy_fails_its_request_and_the_copier_goes_on(pool, ranges_impl):
     c = Copier(pool, threads=2)
     try:
         geom = Geometry(4096, 8, (Segment(0, 4096, 4096),))
         short = SimpleNamespace(kind="host", array=np.zeros(4096, dtype=np.uint8))  # too small for page 3
         with pytest.raises(HicachedError) as e:
             await c.copy(short, True, geom, [3], [0])
-        assert e.value.code == "copy_failed" and "could not broadcast" in e.value.message
+        why = "IndexError: range 0" if ranges_impl == "native" else "could not broadcast"
+        assert e.value.code == "copy_failed" and why in e.value.message
         assert c.stats()["jobs_failed"] == 1
         good = host_region(8 * 4096)
         await c.copy(good, True, geom, [3], [0])
@@ -102,13 +113,13 @@ async def test_a_failed_copy_fails_its_request_and_the_copier_goes_on(pool):
 
 async def test_the_watchdog_clock_sees_a_job_that_does_not_end(pool, monkeypatch):
     release = threading.Event()
-    real = np.copyto
+    real = copier_mod.copy_ranges
 
-    def stuck(dst, src):
+    def stuck(*args):
         release.wait(10)
-        real(dst, src)
+        real(*args)
 
-    monkeypatch.setattr(copier_mod.np, "copyto", stuck)
+    monkeypatch.setattr(copier_mod, "copy_ranges", stuck)
     c = Copier(pool, threads=1)
     try:
         geom = Geometry(4096, 1, (Segment(0, 4096, 4096),))
@@ -157,7 +168,7 @@ def test_close_lets_the_pool_unmap(caplog):
     assert "still exported" not in caplog.text
 
 
-def test_copy_ranges_gathers_many_small_ranges_like_a_loop():
+def test_copy_ranges_gathers_many_small_ranges_like_a_loop(ranges_impl):
     rng = random.Random(5)
     for _ in range(40):
         nseg = rng.choice([1, 4, 64])
@@ -183,8 +194,43 @@ def test_copy_ranges_gathers_many_small_ranges_like_a_loop():
             assert expected_page(geom, back, i) == expected_page(geom, region, i)
 
 
-def test_gather_checks_bounds_that_as_strided_does_not():
+def test_gather_checks_bounds_that_as_strided_does_not(ranges_impl):
     geom = Geometry(64, 40, (Segment(0, 64, 64),))
     p = plan(geom, list(range(40)), [k * 64 for k in range(40)][::-1])
+    pool = np.zeros(39 * 64, dtype=np.uint8)
     with pytest.raises(IndexError):
-        copier_mod.copy_ranges(np.zeros(39 * 64, dtype=np.uint8), np.zeros(40 * 64, dtype=np.uint8), p, True)
+        copier_mod.copy_ranges(pool, np.ones(40 * 64, dtype=np.uint8), p, True)
+    if ranges_impl == "native":  # checked before any byte moves
+        assert not pool.any()
+
+
+@pytest.mark.skipif(copier_mod._copy_ranges is None, reason="connectors._pageio is not built (no C compiler)")
+def test_native_copy_ranges_checks_every_range_and_its_arrays():
+    from connectors._pageio import copy_ranges
+
+    pool, region = (
+        np.zeros(1 << 16, dtype=np.uint8),
+        np.arange(1 << 16, dtype=np.uint32).view(np.uint8)[: 1 << 16],
+    )
+    i64 = lambda *xs: np.array(xs, dtype=np.int64)  # noqa: E731
+    copy_ranges(pool, region, i64(8192, 0), i64(100, 5000), i64(6000, 1), True)
+    assert bytes(pool[8192 : 8192 + 6000]) == bytes(region[100:6100]) and pool[0] == region[5000]
+    assert not pool[1:8192].any() and not pool[8192 + 6000 :].any()
+    bad = [
+        ((i64(-1), i64(0), i64(1)), IndexError),
+        ((i64(0), i64(0), i64(-1)), IndexError),
+        ((i64((1 << 16) - 3), i64(0), i64(4)), IndexError),
+        ((i64(0), i64(1 << 16), i64(1)), IndexError),
+        ((i64(0, 1), i64(0), i64(1)), ValueError),  # lengths differ
+        ((np.zeros(2, dtype=np.int32), i64(0), i64(1)), ValueError),  # not int64
+    ]
+    before = pool.copy()
+    for (q, r, n), err in bad:
+        with pytest.raises(err):
+            copy_ranges(pool, region, q, r, n, True)
+    assert np.array_equal(pool, before)
+    with pytest.raises(BufferError):
+        copy_ranges(bytes(16), region, i64(0), i64(0), i64(1), True)  # a read-only pool to write into
+    out = np.zeros(6000, dtype=np.uint8)
+    copy_ranges(pool, out, i64(8192), i64(0), i64(6000), False)
+    assert bytes(out) == bytes(region[100:6100])
