@@ -322,6 +322,17 @@ async def test_watchdog_goes_quiet_while_a_copy_is_stuck(tmp_path):
         await stop(d)
 
 
+def _open_fds() -> dict[int, str]:
+    """This process's open fds and what each is (a dead fd, closed while listed, is left out)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return out
+
+
 async def test_a_side_connection_that_goes_away_mid_frame_leaks_nothing(tmp_path):
     d = await start(tmp_path)
     fd = _sealed_memfd(4 * PAGE)
@@ -337,10 +348,16 @@ async def test_a_side_connection_that_goes_away_mid_frame_leaks_nothing(tmp_path
         async with AsyncClient(d.server.path, "gone.ns", PAGE) as c:
             await asyncio.to_thread(half_frame)  # warm up whatever the first one opens (executor threads)
             await asyncio.sleep(0.1)
-            before = len(os.listdir("/proc/self/fd"))
+            before = _open_fds()
             for _ in range(5):
                 await asyncio.to_thread(half_frame)
-            await wait_for(lambda: len(os.listdir("/proc/self/fd")) <= before)
+            try:
+                await wait_for(lambda: len(_open_fds()) <= len(before))
+            except AssertionError:  # name what stayed open (this failed once, under load, unexplained)
+                now = _open_fds()
+                new = {k: v for k, v in now.items() if before.get(k) != v}
+                gone = {k: v for k, v in before.items() if now.get(k) != v}
+                raise AssertionError(f"fds still open: {new}; closed meanwhile: {gone}") from None
             assert not d.server._admitting
             assert await c.exists(["a" * 64]) == 0  # still serving
     finally:
