@@ -971,8 +971,9 @@ static PyTypeObject EngineType = {
    cache first (a plain memcpy reads each destination line before writing it) nor evict what the engine
    is using. glibc's memcpy streams only past a threshold of 3/4 of the shared cache per thread, which
    pages never reach on servers' large L3s. On a 2-vCPU Xeon (300 MiB L3), streaming copied 256 KiB pages
-   into a shared mapping at 1.7x memcpy's speed, 2 MiB pages at 1.3x (bench/RESULTS.md). Copies out of
-   the pool (load) stay memcpy: the engine reads those bytes next. */
+   into a shared mapping at 1.7x memcpy's speed from sources in the cache, 1.2x from sources in memory;
+   2 MiB pages at 1.3-1.4x (bench/copy_paths.py, bench/RESULTS.md). Copies out of the pool (load) stay
+   memcpy: the engine reads those bytes next. */
 #define STREAM_MIN_BYTES 4096 /* smaller pages: memcpy */
 
 typedef void (*stream_fn)(char *dst, const char *src, size_t n); /* n a multiple of 128, dst 64-aligned */
