@@ -11,6 +11,7 @@ sources = ["connectors/_pageio.c", "connectors/_vendor/xxhash.c"]
 macros = [("XXH_NAMESPACE", "hicached_")]
 if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
     sources.append("connectors/_vendor/xxh_x86dispatch.c")  # picks AVX-512 / AVX2 / SSE2 at run time
+    sources.append("connectors/_pageio_simd.c")  # the store's copy + xxh3 in one pass, for AVX2 CPUs
     macros.append(("HICACHED_XXH_DISPATCH", "1"))
 
 setup(

@@ -48,6 +48,8 @@
 
 /* The page header (connectors/header.py): "<4sHHQQQ" magic, version, header length, payload length,
    xxh3-64 of the payload, key tag (xxh3-64 of "namespace/key"); little-endian. */
+#include "_pageio_simd.h"
+
 #define HEADER_SIZE 32
 #define FORMAT_VERSION 1
 static const char MAGIC[4] = {'H', 'K', 'V', 'P'};
@@ -64,7 +66,7 @@ enum {
 };
 
 /* Bumped when a function's arguments change: file.py uses only a build of the sources it was written for. */
-#define API_VERSION 3
+#define API_VERSION 4
 
 #define KEY_MAX_LEN 128 /* hicached/keys.py */
 #define NAMESPACE_MAX_LEN 128
@@ -77,6 +79,9 @@ typedef struct {
     Py_buffer buf;
     int result;
     int64_t replaced; /* writes: bytes of the page file the rename replaced */
+    uint64_t sum;     /* writes with has_sum: the payload's xxh3-64, given by the caller (taken as the engine
+                         copied the page into L2): the payload is written without being read again */
+    int has_sum;
 } Job;
 
 static void put_u16(uint8_t *p, uint16_t v) {
@@ -255,7 +260,8 @@ static int write_one(Job *j, const char *ns, size_t ns_len, size_t root_len, siz
     /* Each chunk is written, then hashed: the kernel's copy has just brought it into the CPU cache, where
        xxh3 runs at ~30 GB/s against ~9 GB/s from memory (a page backed up was stored long before). Hashing
        first and writing from the cache measured 2-12 % slower (median ~4.5 %; pages of 256 KiB and 2 MiB
-       on tmpfs). The header, which needs the checksum, goes last. */
+       on tmpfs). The header, which needs the checksum, goes last. A checksum given with the page (has_sum)
+       is written as it is: a wrong one makes the page a miss when it is read, never wrong bytes. */
     XXH3_state_t state;
     XXH3_INITSTATE(&state);
     XXH3_64bits_reset(&state);
@@ -265,10 +271,10 @@ static int write_one(Job *j, const char *ns, size_t ns_len, size_t root_len, siz
         struct iovec part = {(void *)(payload + start), n};
         r = xfer(fd, &part, 1, (off_t)(HEADER_SIZE + start), 1);
         if (r >= 0 && (size_t)r != n) r = -EIO;
-        if (r >= 0) XXH3_64bits_update(&state, payload + start, n);
+        if (r >= 0 && !j->has_sum) XXH3_64bits_update(&state, payload + start, n);
     }
     if (r >= 0) {
-        put_u64(head + 16, XXH3_64bits_digest(&state));
+        put_u64(head + 16, j->has_sum ? j->sum : XXH3_64bits_digest(&state));
         struct iovec iov = {head, HEADER_SIZE};
         r = xfer(fd, &iov, 1, 0, 1);
         if (r >= 0 && r != HEADER_SIZE) r = -EIO;
@@ -554,12 +560,13 @@ static PyObject *run_here(Task *t) {
     "module's CANCELLED, BAD_KEY or a reason the page is corrupt); total: minus the bytes of corrupt\n"     \
     "pages removed; root_errno: once a page was not found, 0 if the root is still a directory, else why not."
 
-#define WRITE_ARGS "s#OOOOny*pp"
+#define WRITE_ARGS "s#OOOOny*pp|O"
 #define WRITE_DOC                                                                                                 \
     "Writes each payload with its header under a temporary name (with `tag`, bytes, as\n"                         \
     "FileConnector._tmp_path makes it) and renames it to its page file under root, making missing shard\n"       \
     "directories (never the root). total: by how much the written pages grew the tree (with measure, the\n"      \
-    "sizes of files replaced are subtracted). A temporary file is removed when its page fails."
+    "sizes of files replaced are subtracted). A temporary file is removed when its page fails. sums: None,\n"    \
+    "or a list with each payload's xxh3-64 (an int) or None: a page with one is written without being hashed."
 
 PyDoc_STRVAR(read_pages_doc, "read_pages(namespace, keys, root, buffers, chunk, stop, touch_after)\n"
                              "-> (results, total, root_errno)\n\n" READ_DOC);
@@ -582,24 +589,40 @@ static Task *read_task(PyObject *args, PyObject **token) {
 
 static PyObject *read_pages(PyObject *self, PyObject *args) { return run_here(read_task(args, NULL)); }
 
-PyDoc_STRVAR(write_pages_doc, "write_pages(namespace, keys, root, tag, payloads, chunk, stop, fsync, measure)\n"
+PyDoc_STRVAR(write_pages_doc, "write_pages(namespace, keys, root, tag, payloads, chunk, stop, fsync, measure[, sums])\n"
                               "-> (results, total, root_errno)\n\n" WRITE_DOC);
 
 /* read_task, for writes. */
 static Task *write_task(PyObject *args, PyObject **token) {
     const char *ns;
     Py_ssize_t ns_len, chunk;
-    PyObject *keys, *root, *tag, *bufs;
+    PyObject *keys, *root, *tag, *bufs, *sums = Py_None;
     Py_buffer stop;
     int do_fsync, measure;
     int ok = token ? PyArg_ParseTuple(args, "O" WRITE_ARGS, token, &ns, &ns_len, &keys, &root, &tag, &bufs, &chunk,
-                                      &stop, &do_fsync, &measure)
+                                      &stop, &do_fsync, &measure, &sums)
                    : PyArg_ParseTuple(args, WRITE_ARGS, &ns, &ns_len, &keys, &root, &tag, &bufs, &chunk, &stop,
-                                      &do_fsync, &measure);
+                                      &do_fsync, &measure, &sums);
+    if (ok && sums != Py_None && (!PyList_Check(sums) || PyList_GET_SIZE(sums) != PyList_GET_SIZE(keys))) {
+        PyErr_SetString(PyExc_ValueError, "sums must be None or a list with one item a key");
+        PyBuffer_Release(&stop);
+        return NULL;
+    }
     Task *t = ok ? task_new(TASK_WRITE, ns, ns_len, keys, root, tag, bufs, chunk, &stop) : NULL;
-    if (t != NULL) {
-        t->do_fsync = do_fsync;
-        t->measure = measure;
+    if (t == NULL) return NULL;
+    t->do_fsync = do_fsync;
+    t->measure = measure;
+    for (Py_ssize_t i = 0; sums != Py_None && i < t->n; i++) {
+        PyObject *v = PyList_GET_ITEM(sums, i);
+        if (v == Py_None) continue;
+        unsigned long long sum = PyLong_Check(v) ? PyLong_AsUnsignedLongLong(v) : (unsigned long long)-1;
+        if (!PyLong_Check(v) || (sum == (unsigned long long)-1 && PyErr_Occurred())) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a sum must be an int or None");
+            task_free(t);
+            return NULL;
+        }
+        t->jobs[i].sum = sum;
+        t->jobs[i].has_sum = 1;
     }
     return t;
 }
@@ -1067,19 +1090,21 @@ static PyObject *stream_impl(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_pages_doc,
-             "copy_pages(pool, offsets, size, pages, into_pool) -> None\n\n"
+             "copy_pages(pool, offsets, size, pages, into_pool[, sums]) -> None\n\n"
              "Copies `size` bytes between each page buffer and the pool at its offset (into the pool with\n"
              "into_pool, out of it otherwise), every page with the GIL released once. The client's store and\n"
              "load: one call a segment instead of a numpy view and a copyto per page (~2 us each). Every\n"
              "buffer and offset is checked before any byte moves. Into the pool, pages of 4 KiB and more go\n"
-             "with streaming stores (see stream_impl).");
+             "with streaming stores (see stream_impl). With `sums` (a writable buffer of one uint64 a page,\n"
+             "into the pool only), each page's xxh3-64 as the page header keeps it, taken in the same pass\n"
+             "over the page where the CPU has AVX2.");
 
 static PyObject *copy_pages(PyObject *self, PyObject *args) {
-    Py_buffer pool;
-    PyObject *offsets, *pages;
+    Py_buffer pool, sums = {0};
+    PyObject *offsets, *pages, *sums_obj = Py_None;
     Py_ssize_t size;
     int into_pool;
-    if (!PyArg_ParseTuple(args, "w*OnOp", &pool, &offsets, &size, &pages, &into_pool)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*OnOp|O", &pool, &offsets, &size, &pages, &into_pool, &sums_obj)) return NULL;
     PyObject *out = NULL;
     Py_buffer *bufs = NULL;
     Py_ssize_t *offs = NULL, n = 0, got = 0;
@@ -1088,6 +1113,18 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         goto done;
     }
     n = PyList_GET_SIZE(pages);
+    if (sums_obj != Py_None) {
+        if (!into_pool) {
+            PyErr_SetString(PyExc_ValueError, "sums are taken of pages copied into the pool only");
+            goto done;
+        }
+        if (PyObject_GetBuffer(sums_obj, &sums, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (sums.len != n * 8) {
+            PyErr_Format(PyExc_ValueError, "sums must have room for %zd uint64 (%zd bytes), not %zd bytes", n,
+                         n * 8, sums.len);
+            goto done;
+        }
+    }
     bufs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
     offs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_ssize_t));
     if (bufs == NULL || offs == NULL) {
@@ -1111,15 +1148,23 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         }
     }
     stream_fn fn = into_pool && size >= STREAM_MIN_BYTES ? stream_copy : NULL;
+    uint64_t *sum = sums.obj != NULL ? sums.buf : NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         char *slot = (char *)pool.buf + offs[i];
+#if defined(__x86_64__)
+        if (sum != NULL && fn == stream_avx2) { /* one pass: the hash and the copy read the page once */
+            sum[i] = pageio_copy_hash_avx2(slot, bufs[i].buf, (size_t)size);
+            continue;
+        }
+#endif
         if (fn != NULL)
             copy_streaming(fn, slot, bufs[i].buf, (size_t)size);
         else if (into_pool)
             memcpy(slot, bufs[i].buf, (size_t)size);
         else
             memcpy(bufs[i].buf, slot, (size_t)size);
+        if (sum != NULL) sum[i] = XXH3_64bits(bufs[i].buf, (size_t)size); /* of the source: still cached */
     }
     if (fn != NULL) stream_fence(); /* the stores are seen before whatever tells another process of them */
     Py_END_ALLOW_THREADS
@@ -1130,6 +1175,7 @@ done:
     PyMem_Free(bufs);
     PyMem_Free(offs);
     PyBuffer_Release(&pool);
+    if (sums.obj != NULL) PyBuffer_Release(&sums);
     return out;
 }
 

@@ -63,8 +63,16 @@ class Connector(abc.ABC):
         """Open clients, create directories. Raises BackendError if the store is not usable."""
 
     @abc.abstractmethod
-    async def put(self, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]) -> list[bool]:
-        """Stores each payload under its key with a header; True per page written."""
+    async def put(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[memoryview],
+        checksums: Sequence[int | None] | None = None,
+    ) -> list[bool]:
+        """Stores each payload under its key with a header; True per page written. `checksums`: each
+        payload's xxh3-64 where known (taken by the engine's client as it stored the page), for the header
+        as it is, so the payload is not read again to hash it; None (or an item None): computed here."""
 
     @abc.abstractmethod
     async def get_into(

@@ -31,7 +31,7 @@ from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connec
 
 log = logging.getLogger("hicached.connectors.file")
 
-_PAGEIO_API = 3  # the arguments and answers of connectors._pageio that this file was written for
+_PAGEIO_API = 4  # the arguments and answers of connectors._pageio that this file was written for
 try:  # the C page I/O (connectors/_pageio.c), built by the install where a C compiler is at hand
     from . import _pageio
 except ImportError:
@@ -397,9 +397,18 @@ class FileConnector(Connector):
                     async with asyncio.timeout(self._janitor_interval):
                         await self._wake.wait()
 
-    async def put(self, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(payloads):
-            raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+    async def put(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[memoryview],
+        checksums: Sequence[int | None] | None = None,
+    ) -> list[bool]:
+        if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
+            raise ValueError(
+                f"{len(keys)} keys, {len(payloads)} payloads and {len(checksums or keys)} checksums"
+            )
+        sums = None if checksums is None or not any(c is not None for c in checksums) else list(checksums)
         views = list(map(_byte_view, payloads))
         self.counters["puts"] += len(keys)
         if not keys:
@@ -408,10 +417,10 @@ class FileConnector(Connector):
             self.counters["errors.invalid_namespace"] += len(keys)
             return [False] * len(keys)
         if self._engines is not None:
-            results = await self._engine_put(namespace, keys, views)
+            results = await self._engine_put(namespace, keys, views, sums)
         else:
             results = await self._batch(
-                self._write_chunk, namespace, keys, views, "put", self._write_executor
+                self._write_chunk, namespace, keys, views, "put", self._write_executor, sums
             )
         ok = []
         for result, view in zip(results, views, strict=True):
@@ -502,14 +511,27 @@ class FileConnector(Connector):
         views,
         what: str,
         executor: ThreadPoolExecutor | None = None,
+        sums: list[int | None] | None = None,
     ) -> list:
-        """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES)."""
+        """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES);
+        with `sums`, each job also gets its slice of them."""
         stop = bytearray(1)  # set to 1 to cancel: read by the Python loops before each page
         parts = self._parts(views)
 
         async def run_all(executor: ThreadPoolExecutor) -> list:
             run = asyncio.get_running_loop().run_in_executor
-            futures = [run(executor, chunk_fn, namespace, keys[s], views[s], stop) for s in parts]
+            futures = [
+                run(
+                    executor,
+                    chunk_fn,
+                    namespace,
+                    keys[s],
+                    views[s],
+                    stop,
+                    *(() if sums is None else (sums[s],)),
+                )
+                for s in parts
+            ]
             # Every job is awaited before we answer (unless timed out), so no worker writes into a buffer
             # that the caller already took back as a miss.
             return await asyncio.gather(*futures, return_exceptions=True)
@@ -562,12 +584,29 @@ class FileConnector(Connector):
                 self._root_unusable(root_errno)
         return [codes for codes, _ in done]
 
-    async def _engine_put(self, namespace: str, keys, views: list[memoryview]) -> list[str | None]:
+    async def _engine_put(
+        self, namespace: str, keys, views: list[memoryview], sums: list[int | None] | None
+    ) -> list[str | None]:
         stop = bytearray(1)  # set to 1 to cancel: the engine's threads read it before each page
         write, root, tag = self._engines[1].write, self._root_bytes, self._native_tmp_tag
         measure = bool(self._max_bytes)  # a bound wants the estimate right: the sizes of files replaced
+        fsync = self._fsync
         calls = [
-            (write, (namespace, list(keys[s]), root, tag, views[s], _CHUNK, stop, self._fsync, measure))
+            (
+                write,
+                (
+                    namespace,
+                    list(keys[s]),
+                    root,
+                    tag,
+                    views[s],
+                    _CHUNK,
+                    stop,
+                    fsync,
+                    measure,
+                    sums and sums[s],
+                ),
+            )
             for s in self._parts(views)
         ]
         done = await self._engine_run("put", stop, calls)
@@ -625,17 +664,19 @@ class FileConnector(Connector):
             with self._stored_lock:
                 self._stored += nbytes
 
-    def _write_chunk(self, namespace: str, keys, views, stop: bytearray) -> list[str | None]:
+    def _write_chunk(
+        self, namespace: str, keys, views, stop: bytearray, sums: list[int | None] | None = None
+    ) -> list[str | None]:
         out: list[str | None] = []
         added = 0
-        for key, view in zip(keys, views, strict=True):
+        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
             if stop[0]:
                 out.append(_CANCELLED)
             elif not valid_key(key):
                 out.append("invalid_key")
             else:
                 try:
-                    added += self._write_one(namespace, key, view)
+                    added += self._write_one(namespace, key, view, None if sums is None else sums[i])
                     out.append(None)
                 except OSError as e:
                     out.append(_errname(e))
@@ -645,8 +686,9 @@ class FileConnector(Connector):
     def _tmp_path(self, final: str, key: str) -> str:
         return f"{final[: final.rindex('/')]}/.{key}.{self._tmp_tag}{next(self._tmp_seq)}.tmp"
 
-    def _write_one(self, namespace: str, key: str, payload: memoryview) -> int:
-        """Writes one page; returns by how many bytes the tree grew."""
+    def _write_one(self, namespace: str, key: str, payload: memoryview, digest: int | None = None) -> int:
+        """Writes one page; returns by how many bytes the tree grew. `digest`: its checksum, when the caller
+        has it (taken as the engine stored the page): then the payload is not read again to hash it."""
         final = self._path(namespace, key)
         directory = final[: final.rindex("/")]
         tmp = self._tmp_path(final, key)
@@ -658,7 +700,10 @@ class FileConnector(Connector):
         try:
             try:
                 size = payload.nbytes
-                if size <= _CHUNK:
+                if digest is not None:
+                    head = header.pack(namespace, key, size, digest)
+                    _pwritev_at(fd, [memoryview(head), payload], header.HEADER_SIZE + size, 0)
+                elif size <= _CHUNK:
                     head = header.encode(namespace, key, payload)
                     _pwritev_at(fd, [memoryview(head), payload], header.HEADER_SIZE + size, 0)
                 else:

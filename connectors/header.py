@@ -33,9 +33,10 @@ def checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode(namespace: str, key: str, payload: memoryview | bytes) -> bytes:
-    """The header for `payload` stored under (namespace, key)."""
-    return pack(namespace, key, len(payload), checksum(payload))
+def encode(namespace: str, key: str, payload: memoryview | bytes, digest: int | None = None) -> bytes:
+    """The header for `payload` stored under (namespace, key); `digest`, its checksum where the caller has it
+    (taken as the engine stored the page), else computed here."""
+    return pack(namespace, key, len(payload), checksum(payload) if digest is None else digest)
 
 
 def pack(namespace: str, key: str, payload_len: int, digest: int) -> bytes:

@@ -229,17 +229,26 @@ class RedisConnector(Connector):
     async def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         return await self._call(lambda client: _execute(client, commands))
 
-    async def put(self, namespace: str, keys: Sequence[str], payloads: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(payloads):
-            raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+    async def put(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        payloads: Sequence[memoryview],
+        checksums: Sequence[int | None] | None = None,
+    ) -> list[bool]:
+        if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
+            raise ValueError(
+                f"{len(keys)} keys, {len(payloads)} payloads and {len(checksums or keys)} checksums"
+            )
+        sums = checksums if checksums is not None else [None] * len(keys)
         self.counters["puts"] += len(keys)
         if not keys:
             return []
         ttl = ("PX", self._ttl_ms) if self._ttl_ms > 0 else ()
         commands = []
-        for key, payload in zip(keys, payloads, strict=True):
+        for key, payload, digest in zip(keys, payloads, sums, strict=True):
             view = _byte_view(payload)
-            page = _Page(header.encode(namespace, key, view), view)
+            page = _Page(header.encode(namespace, key, view, digest), view)
             commands.append(("SET", self._key(namespace, key), page, *ttl))
         results = await self._pipeline(commands)
         self._count_refusals(results, "SET")

@@ -182,7 +182,14 @@ class Backup:
                 keys = [e.key for e in todo]
                 pool = self.pool.view  # Pool.slot, inlined
                 views = [pool[e.offset : e.offset + e.size] for e in todo]
-                ok = await self.backend.call("put", lambda c, keys=keys, views=views: c.put(ns, keys, views))
+                # Checksums the engines' clients took as they stored the pages: the backend writes them as
+                # they are instead of reading each page once more to hash it.
+                sums = [e.checksum for e in todo]
+                if not any(sums):  # (0 is a checksum too, but one in 2^64: it is only hashed again)
+                    sums = None
+                ok = await self.backend.call(
+                    "put", lambda c, keys=keys, views=views, sums=sums: c.put(ns, keys, views, sums)
+                )
                 failed, nbytes = [], 0
                 for e, good in zip(todo, ok, strict=True):
                     if good:  # re-filed (evictable now) when _write releases its lease

@@ -162,21 +162,25 @@ class _Ops(RegionOps):
             raise HicachedError(CONNECTION, "the client is closed")
         return self._pool[offset : offset + self.page_bytes]
 
-    def _copy(self, offsets: list[int], pages: list[Any], into_pool: bool) -> None:
+    def _copy(self, offsets: list[int], pages: list[Any], into_pool: bool) -> list[int] | None:
         """Copies each page into (or out of) the pool's slot at its offset: in one C call with the GIL
         released where connectors._pageio is built (~0.3 us a page, against ~2.4 us for a numpy view and
-        copyto), else page by page with numpy."""
+        copyto), else page by page with numpy. Into the pool with the C module, returns each page's
+        checksum (xxh3-64, as the page header keeps it), taken in the same pass: the daemon's backup then
+        writes it as it is instead of reading the page again to hash it. None otherwise."""
         if self._mm is None:
             raise HicachedError(CONNECTION, "the client is closed")
         if _copy_pages is not None:
-            _copy_pages(self._mm, offsets, self.page_bytes, pages, into_pool)
-            return
+            sums = np.empty(len(offsets), dtype=np.uint64) if into_pool else None
+            _copy_pages(self._mm, offsets, self.page_bytes, pages, into_pool, sums)
+            return None if sums is None else sums.tolist()
         for off, page in zip(offsets, pages, strict=True):
             src = np.frombuffer(page, dtype=np.uint8) if type(page) is bytes else page
             if into_pool:
                 np.copyto(self._slot(off), src)
             else:
                 np.copyto(page, self._slot(off))
+        return None
 
     def op_hello(self) -> Op:
         return (yield {"op": "hello", "namespace": self.namespace, "page_bytes": self.page_bytes})
@@ -229,6 +233,7 @@ class _Ops(RegionOps):
         segs = [(lo, hi, None if hi <= r else next(allocs)) for lo, hi in bounds]
         result = [False] * n
         slot: dict[int, int] = dict(enumerate(spare))  # index into keys -> the slot its page goes to
+        sums: dict[int, int] = {}  # index into keys -> its page's checksum, where the copy took it
         taken: list[int] = []  # indices given slots by alloc: WRITING on the daemon until committed
         sent = 0  # the pages before this index are committed or put (the requests are sent)
         acks: list[tuple[list[int], Any, bool]] = []  # (indices, ticket, is a put) of requests sent
@@ -250,13 +255,17 @@ class _Ops(RegionOps):
                 if si == len(segs) - 1 and lo > sent:
                     # Before the last segment is copied: the pages so far are committed meanwhile, and only
                     # the last segment's commit is left for the client to wait on.
-                    acks += yield from self._store_acks(keys, spare, range(sent, lo), slot, now=late is None)
+                    acks += yield from self._store_acks(
+                        keys, spare, range(sent, lo), slot, sums, now=late is None
+                    )
                     sent = lo
                     if late is not None:
                         refill, late = (yield _SendNow(late)), None
                 if mine:
-                    self._copy([slot[i] for i in mine], [srcs[i] for i in mine], True)
-            acks += yield from self._store_acks(keys, spare, range(sent, n), slot, now=False)
+                    got = self._copy([slot[i] for i in mine], [srcs[i] for i in mine], True)
+                    if got is not None:
+                        sums.update(zip(mine, got, strict=True))
+            acks += yield from self._store_acks(keys, spare, range(sent, n), slot, sums, now=False)
             sent = n
             if late is not None:
                 refill, late = (yield _Send(late)), None
@@ -309,18 +318,30 @@ class _Ops(RegionOps):
         return error
 
     def _store_acks(
-        self, keys: list[str], spare: list[int], indices: range, slot: dict[int, int], now: bool
+        self,
+        keys: list[str],
+        spare: list[int],
+        indices: range,
+        slot: dict[int, int],
+        sums: dict[int, int],
+        now: bool,
     ) -> Generator[Any, Any, list[tuple[list[int], Any, bool]]]:
         """Sends the commit (slots from alloc) and the put (reserved slots) of the pages at `indices` that
-        were copied; with `now`, written at once. Returns (indices, ticket, is a put) for each."""
+        were copied, with their checksums where the copy took them; with `now`, written at once. Returns
+        (indices, ticket, is a put) for each."""
         r = len(spare)
         put = [i for i in indices if i < r]
         com = [i for i in indices if i >= r and i in slot]
         reqs = []
         if com:
-            reqs.append((com, False, {"op": "commit", "keys": [keys[i] for i in com]}))
+            commit = {"op": "commit", "keys": [keys[i] for i in com]}
+            if sums:
+                commit["sums"] = [sums[i] for i in com]
+            reqs.append((com, False, commit))
         if put:
             puts = {"op": "put", "keys": [keys[i] for i in put], "offsets": [spare[i] for i in put]}
+            if sums:
+                puts["sums"] = [sums[i] for i in put]
             reqs.append((put, True, puts))
         out = []
         for j, (idx, is_put, req) in enumerate(reqs):

@@ -46,6 +46,7 @@ class Entry:
         "in_lru",
         "in_dirty",
         "counted_dirty",
+        "checksum",
     )
 
     def __init__(self, ns: str, key: str, offset: int, size: int, cls: SizeClass, state: str) -> None:
@@ -64,6 +65,7 @@ class Entry:
         self.in_lru = False  # filed in its class's LRU (evictable)
         self.in_dirty = False  # filed in PageIndex.dirty
         self.counted_dirty = False  # counted in PageIndex.dirty_pages
+        self.checksum: int | None = None  # the payload's xxh3-64 as the engine's client took it, if it did
 
     @property
     def evictable(self) -> bool:

@@ -321,6 +321,22 @@ class Server:
             except ValueError as e:
                 raise HicachedError(BAD_REQUEST, str(e)) from None
 
+        def sums(req: dict[str, Any], n: int) -> list[int] | None:
+            """The optional checksums of a put or commit: the xxh3-64 of each page, taken by the client as it
+            copied the page (a wrong one makes the page a miss when it is read back from L3)."""
+            got = req.get("sums")
+            if got is None:
+                return None
+            if (
+                type(got) is not list
+                or len(got) != n
+                or not all(type(v) is int and 0 <= v < 1 << 64 for v in got)
+            ):
+                raise HicachedError(
+                    BAD_REQUEST, f"sums must be a list of {n} unsigned 64-bit integers, one a key"
+                )
+            return got
+
         def hello(s: Session, req: dict[str, Any]) -> dict:
             try:
                 ns = check_namespace(arg(req, "namespace", str))
@@ -365,7 +381,12 @@ class Server:
             return {"offsets": offsets, "limit": may_hold}
 
         def put(s: Session, req: dict[str, Any]) -> dict:
-            return {"status": t.put(s, keys(s, req), arg(req, "offsets", list))}
+            ks = keys(s, req)
+            return {"status": t.put(s, ks, arg(req, "offsets", list), sums(req, len(ks)))}
+
+        def commit(s: Session, req: dict[str, Any]) -> dict:
+            ks = keys(s, req)
+            return {"ok": t.commit(s, ks, sums(req, len(ks)))}
 
         def acquire(s: Session, req: dict[str, Any]) -> Any:
             ks = all_in_l2(s, req)
@@ -401,7 +422,7 @@ class Server:
             "hello": hello,
             "exists": exists,
             "alloc": alloc,
-            "commit": lambda s, req: {"ok": t.commit(s, keys(s, req))},
+            "commit": commit,
             "abort": lambda s, req: {"n": t.abort(s, keys(s, req))},
             "reserve": reserve,
             "put": put,

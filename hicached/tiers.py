@@ -297,14 +297,18 @@ class Tiers:
                 self.counters["store.busy" if status[j] == ALLOC_BUSY else "store.no_space"] += 1
         return status, offsets
 
-    def commit(self, s: Session, keys: list[str]) -> list[bool]:
+    def commit(self, s: Session, keys: list[str], sums: list[int] | None = None) -> list[bool]:
+        """The pages the engine wrote into slots from alloc are stored; `sums`: their checksums, if the
+        client took them (the backup then writes them as they are)."""
         out = []
         backup = []
-        for key in keys:
+        for i, key in enumerate(keys):
             entry = s.writing.pop(key, None)
             if entry is None:
                 out.append(False)
                 continue
+            if sums is not None:
+                entry.checksum = sums[i]
             if self._stored(entry):
                 backup.append(entry)
             out.append(True)
@@ -355,9 +359,12 @@ class Tiers:
             offsets.append(entry.offset)
         return offsets, limit
 
-    def put(self, s: Session, keys: list[str], offsets: list[int]) -> list[int]:
+    def put(
+        self, s: Session, keys: list[str], offsets: list[int], sums: list[int] | None = None
+    ) -> list[int]:
         """Binds reserved slots, whose bytes the engine wrote, to `keys`: a PUT_* status per key. A slot
-        whose key is there already, or that the backup queue cannot take, stays reserved."""
+        whose key is there already, or that the backup queue cannot take, stays reserved. `sums`: as in
+        commit."""
         if not all(type(o) is int and o in s.reserved for o in offsets):
             raise HicachedError(BAD_REQUEST, "put names a slot this connection has not reserved")
         if len(offsets) != len(keys) or len(set(offsets)) != len(offsets):
@@ -366,7 +373,7 @@ class Tiers:
         through = self.connector is not None and not self.write_back
         status = []
         backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
-        for key, off in zip(keys, offsets, strict=True):
+        for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
             entry = self.index.get(s.ns, key)
             if entry is not None:
                 if entry.state == READY:
@@ -379,6 +386,7 @@ class Tiers:
                 continue
             entry = s.reserved.pop(off)
             self.index.bind(entry, key)
+            entry.checksum = None if sums is None else sums[i]
             if self._stored(entry):
                 backup.append(entry)
             status.append(PUT_STORED)

@@ -310,9 +310,9 @@ def _fail_copies(monkeypatch, fail_at: int, native: bool) -> None:
         return
     real, copied = client_ops._copy_pages, [0]
 
-    def copy_pages(pool, offsets, size, pages, into_pool):
+    def copy_pages(pool, offsets, size, pages, into_pool, sums=None):
         keep = max(0, min(len(pages), fail_at - 1 - copied[0]))
-        real(pool, offsets[:keep], size, pages[:keep], into_pool)
+        real(pool, offsets[:keep], size, pages[:keep], into_pool, None if sums is None else sums[:keep])
         copied[0] += keep
         if keep < len(pages):
             raise MemoryError("injected failure in the middle of a store")
@@ -360,6 +360,111 @@ async def test_async_store_failing_half_way_leaves_no_slot_taken(tmp_path, monke
             stats = await c.stats()
             assert stats["pool"]["reserved"] == len(c._ops._reserved) > 0
             assert await c.get(keys) == pages
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+
+
+def _page_files(root, ns: str) -> dict[str, bytes]:
+    """Every page file under root/ns by key (the file name), header included."""
+    return {
+        p.name: p.read_bytes() for p in (root / ns).rglob("*") if p.is_file() and not p.name.startswith(".")
+    }
+
+
+@pytest.mark.parametrize("native", COPY_PATHS)
+async def test_the_checksums_a_store_takes_go_to_l3_as_they_are(tmp_path, monkeypatch, native):
+    """With the C module the client takes each page's xxh3 as it copies it (put and commit carry them) and
+    the backup writes those into the page headers without hashing the pages again; without it, the file
+    connector hashes them. Either way every header holds the checksum of its page."""
+    import xxhash
+
+    import connectors.file as file_mod
+    import hicached.client_ops as client_ops
+
+    if not native:
+        monkeypatch.setattr(client_ops, "_copy_pages", None)
+    given: dict = {}  # key -> the checksum the backup handed to the connector
+    real_put = file_mod.FileConnector.put
+
+    async def put(self, namespace, keys, payloads, checksums=None):
+        if namespace == "sums.ns":  # not the backend's probe
+            given.update(zip(keys, checksums or [None] * len(keys), strict=True))
+        return await real_put(self, namespace, keys, payloads, checksums)
+
+    monkeypatch.setattr(file_mod.FileConnector, "put", put)
+    d = Daemon(daemon_cfg(tmp_path))
+    await d.startup()
+    keys = [f"sum{i}" for i in range(48)]
+    pages = [os.urandom(PAGE) for _ in keys]
+    try:
+        async with AsyncClient(d.server.path, "sums.ns", PAGE) as c:
+            assert await c.store(keys[:24], pages[:24]) == [True] * 24  # slots from alloc: commit
+            assert await c.store(keys[24:], pages[24:]) == [True] * 24  # slots held ahead: put
+            assert await d.tiers.backup.drain(30)
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+    want = {k: xxhash.xxh3_64_intdigest(p) for k, p in zip(keys, pages, strict=True)}
+    files = _page_files(tmp_path / "data", "sums.ns")
+    assert {k: int.from_bytes(files[k][16:24], "little") for k in keys} == want
+    assert given == (want if native else dict.fromkeys(keys))
+
+
+@pytest.mark.skipif(client_ops_native is None, reason="connectors._pageio is not built (no C compiler)")
+async def test_a_wrong_checksum_from_a_client_makes_a_miss_in_l3_never_wrong_bytes(tmp_path, monkeypatch):
+    import hicached.client_ops as client_ops
+
+    real = client_ops._copy_pages
+
+    def copy_pages(pool, offsets, size, pages, into_pool, sums=None):
+        real(pool, offsets, size, pages, into_pool, sums)
+        if sums is not None and len(sums) > 3:
+            sums[3] ^= 1  # the fourth page of the store: a checksum that is not its page's
+
+    keys = [f"bad{i}" for i in range(6)]
+    pages = [os.urandom(PAGE) for _ in keys]
+    d = Daemon(daemon_cfg(tmp_path))
+    await d.startup()
+    try:
+        async with AsyncClient(d.server.path, "bad.ns", PAGE) as c:
+            monkeypatch.setattr(client_ops, "_copy_pages", copy_pages)
+            assert await c.store(keys, pages) == [True] * 6
+            monkeypatch.undo()
+            assert await c.get(keys) == pages  # L2 holds the engine's bytes
+            assert await d.tiers.backup.drain(30)
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+    d = Daemon(daemon_cfg(tmp_path))  # a restart: L2 empty, the pages only in L3
+    await d.startup()
+    try:
+        async with AsyncClient(d.server.path, "bad.ns", PAGE) as c:
+            bufs = [bytearray(PAGE) for _ in keys]
+            assert await c.load(keys, bufs) == 3  # the page with the wrong checksum ends the prefix
+            assert [bytes(b) for b in bufs[:3]] == pages[:3] and not any(bufs[3])
+            # Read once (by the warmup or by this load), found corrupt, counted and removed.
+            assert (await c.stats())["backend_counters"]["corrupt.checksum"] == 1
+            assert await c.exists(keys) == 3
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+
+
+async def test_put_and_commit_refuse_checksums_that_are_not_one_uint64_a_key(tmp_path):
+    d = Daemon(daemon_cfg(tmp_path))
+    await d.startup()
+
+    def raw(req):
+        return (yield req)
+
+    try:
+        async with AsyncClient(d.server.path, "raw.ns", PAGE) as c:
+            for sums in ("x", [1], [1, 2, 3], [-1, 0], [1.5, 0], [True, 0], [None, 0]):
+                with pytest.raises(HicachedError) as e:
+                    await c._run(raw({"op": "commit", "keys": ["a", "b"], "sums": sums}))
+                assert e.value.code == "bad_request" and "sums must be" in e.value.message
+            assert (await c._run(raw({"op": "commit", "keys": ["a"], "sums": [0]})))["ok"] == [False]
     finally:
         d.handle_signal(signal.SIGTERM)
         await d.shutdown()
@@ -416,11 +521,14 @@ def _stream_impl_works(_pageio, name: str) -> bool:
 
 @pytest.mark.skipif(client_ops_native is None, reason="connectors._pageio is not built (no C compiler)")
 @pytest.mark.parametrize("impl", _stream_impls())
-@pytest.mark.parametrize("size", [4096, 4096 + 77, 65536 + 128 + 5, 256 << 10])
+@pytest.mark.parametrize("size", [100, 241, 4096, 4096 + 77, 65536 + 128 + 5, 256 << 10])
 def test_copy_pages_into_the_pool_with_streaming_stores(impl, size):
     """Every byte lands where it belongs and none beside it, whatever the alignment of the slot (a head
-    copied up to a 64-byte boundary, a tail under 128 bytes) and the page's length; loads are memcpy."""
+    copied up to a 64-byte boundary, a tail under 128 bytes) and the page's length; loads are memcpy. The
+    checksums taken on the way are xxh3-64 (xxh3 hashes up to 240 bytes another way)."""
     import mmap
+
+    import xxhash
 
     from connectors import _pageio
 
@@ -434,10 +542,15 @@ def test_copy_pages_into_the_pool_with_streaming_stores(impl, size):
         offsets = [1, size + 64 + 63, 2 * size + 200, 3 * size + 4095 - 63]
         srcs = [rng.bytes(size + 3)[3:] for _ in offsets]  # buffers that start anywhere
         srcs[1] = memoryview(bytearray(b"\x00" + srcs[1]))[1:]  # a source off any alignment
-        _pageio.copy_pages(mm, offsets, size, srcs, True)
+        sums = np.zeros(len(offsets), dtype=np.uint64)
+        _pageio.copy_pages(mm, offsets, size, srcs, True, sums)
         expect = bytearray(b"\xee" * pool_bytes)
         for off, src in zip(offsets, srcs, strict=True):
             expect[off : off + size] = src
+        assert mm[:] == expect
+        assert sums.tolist() == [xxhash.xxh3_64_intdigest(bytes(src)) for src in srcs]
+        mm[:] = b"\xee" * pool_bytes
+        _pageio.copy_pages(mm, offsets, size, srcs, True)  # without checksums
         assert mm[:] == expect
         out = [bytearray(size) for _ in offsets]
         _pageio.copy_pages(mm, offsets, size, out, False)
@@ -454,3 +567,18 @@ def test_stream_impl_refuses_what_it_does_not_have():
     with pytest.raises(ValueError, match="no streaming stores named 'avx9'"):
         _pageio.stream_impl("avx9")
     assert _pageio.stream_impl() == before  # unchanged by the refusal
+
+
+@pytest.mark.skipif(client_ops_native is None, reason="connectors._pageio is not built (no C compiler)")
+def test_copy_pages_takes_checksums_into_a_buffer_of_the_right_size_only():
+    import mmap
+
+    from connectors._pageio import copy_pages
+
+    mm, pages = mmap.mmap(-1, 1 << 16), [bytes(4096)] * 2
+    with pytest.raises(ValueError, match="room for 2 uint64"):
+        copy_pages(mm, [0, 4096], 4096, pages, True, np.zeros(1, dtype=np.uint64))
+    with pytest.raises(ValueError, match="into the pool only"):
+        copy_pages(mm, [0, 4096], 4096, [bytearray(4096)] * 2, False, np.zeros(2, dtype=np.uint64))
+    with pytest.raises(BufferError):
+        copy_pages(mm, [0, 4096], 4096, pages, True, b"x" * 16)  # read-only

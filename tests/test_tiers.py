@@ -45,7 +45,7 @@ class FlakyFile(FileConnector):
         super().__init__(cfg)
         self.fail = fail
 
-    async def put(self, namespace, keys, payloads):
+    async def put(self, namespace, keys, payloads, checksums=None):
         if self.fail > 0:
             self.fail -= 1
             raise BackendUnavailable(self.name, "injected fault", "injected")
@@ -398,7 +398,7 @@ class CountingFile(FileConnector):
         super().__init__(cfg)
         self.calls: list[tuple[str, int]] = []
 
-    async def put(self, namespace, keys, payloads):
+    async def put(self, namespace, keys, payloads, checksums=None):
         self.calls.append(("put", len(keys)))
         return await super().put(namespace, keys, payloads)
 
@@ -442,7 +442,7 @@ class SlowFile(FileConnector):
         super().__init__(cfg)
         self.running = self.most = 0
 
-    async def put(self, namespace, keys, payloads):
+    async def put(self, namespace, keys, payloads, checksums=None):
         self.running += 1
         self.most = max(self.most, self.running)
         try:

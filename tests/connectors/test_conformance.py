@@ -58,6 +58,23 @@ async def test_stored_object_is_header_and_payload(backend) -> None:
     header.verify(stored[: header.HEADER_SIZE], NS, key(1), stored[header.HEADER_SIZE :])
 
 
+async def test_checksums_given_with_pages_go_into_their_headers(backend) -> None:
+    """The backup hands over checksums the engine's client took: each goes into its header as it is (a
+    wrong one reads back as a counted miss, never wrong bytes); None is computed by the connector."""
+    size = 256 * KiB
+    keys, pages = [key(i) for i in range(3)], [page(i, size) for i in range(3)]
+    sums = [header.checksum(pages[0]), header.checksum(pages[1]) ^ 1, None]
+    async with backend.connector() as conn:
+        assert await conn.put(NS, keys, pages, sums) == [True] * 3
+        for k, want in zip(keys, [sums[0], sums[1], header.checksum(pages[2])], strict=True):
+            stored = await asyncio.to_thread(backend.raw, NS, k)
+            assert header.parse(stored[: header.HEADER_SIZE], NS, k, size) == want
+        bufs = buffers(3, size)
+        assert await conn.get_into(NS, keys, bufs) == [True, False, True]
+        assert bufs[0] == pages[0] and bufs[2] == pages[2]
+        assert conn.counters["corrupt.checksum"] == 1
+
+
 async def test_exists_counts_the_leading_prefix(backend) -> None:
     n, hole = 270, 260  # past the width of one batch of checks in every backend
     present = [key(i) for i in range(n) if i != hole]

@@ -87,6 +87,26 @@ def no_temp_files(conn: FileConnector) -> bool:
     return not glob.glob(os.path.join(conn.root, "**", ".*.tmp"), recursive=True)
 
 
+@pytest.mark.parametrize("size", [4 * KiB, 8 * MiB])
+async def test_put_writes_the_checksums_it_is_given_as_they_are(tmp_path, size: int) -> None:
+    """A checksum given with a page (taken by the engine's client) goes into its header unchecked: the
+    right one reads back, a wrong one makes the page a counted miss, never wrong bytes; None is hashed."""
+    async with started(tmp_path) as conn:
+        keys = [key(i) for i in range(3)]
+        pages = [page(i, size) for i in range(3)]
+        sums = [header.checksum(pages[0]), header.checksum(pages[1]) ^ 1, None]
+        assert await conn.put(NS, keys, pages, sums) == [True] * 3
+        for k, want in zip(keys, [sums[0], sums[1], header.checksum(pages[2])], strict=True):
+            with open(path_of(conn, k), "rb") as f:
+                assert header.parse(f.read(header.HEADER_SIZE), NS, k, size) == want
+        bufs = [memoryview(bytearray(size)) for _ in keys]
+        assert await conn.get_into(NS, keys, bufs) == [True, False, True]
+        assert bufs[0] == pages[0] and bufs[2] == pages[2]
+        assert conn.counters["corrupt.checksum"] == 1 and not exists(path_of(conn, keys[1]))
+        with pytest.raises(ValueError, match="checksums"):
+            await conn.put(NS, keys, pages, sums[:2])
+
+
 @pytest.mark.parametrize("size", [4 * KiB, 256 * KiB, 8 * MiB])
 async def test_round_trip(tmp_path, size: int) -> None:
     async with started(tmp_path) as conn:

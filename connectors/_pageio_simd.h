@@ -1,0 +1,14 @@
+/* connectors/_pageio_simd.c: built for AVX2, called only where the CPU has it. */
+#ifndef HICACHED_PAGEIO_SIMD_H
+#define HICACHED_PAGEIO_SIMD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__x86_64__)
+/* Copies len bytes from src to dst (streaming stores where dst is 32-byte aligned) and returns
+   XXH3_64bits(src, len), reading src once. */
+uint64_t pageio_copy_hash_avx2(char *dst, const char *src, size_t len);
+#endif
+
+#endif
