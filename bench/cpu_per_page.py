@@ -67,8 +67,8 @@ class AtOnceEngine:
         _pageio.read_pages(ns, ks, root, views, chunk, self.stop, touch)
         self._answer(token, len(ks))
 
-    def write(self, token, ns, ks, root, tag, views, chunk, stop, fsync, measure) -> None:
-        _pageio.write_pages(ns, ks, root, tag, views, chunk, self.stop, fsync, measure)
+    def write(self, token, ns, ks, root, tag, views, chunk, stop, fsync, measure, sums=None) -> None:
+        _pageio.write_pages(ns, ks, root, tag, views, chunk, self.stop, fsync, measure, sums)
         self._answer(token, len(ks))
 
     def _answer(self, token, n: int) -> None:
