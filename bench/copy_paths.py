@@ -1,7 +1,8 @@
 """The copies that move page bytes into and out of L2, in one process, against a raw numpy `copyto` of the
 same bytes between the same two shared mappings: the client's `copy_pages` (store and load) and the
 daemon's host-region copier (`copy_ranges`, contiguous pages and pages of many segments), each with
-streaming stores into the pool, with a plain memcpy, and (the copier) with the numpy loop used where the C
+streaming stores into the pool (the client's also taking each page's checksum, as its stores do), with a
+plain memcpy, and (the copier) with the numpy loop used where the C
 module is not built. Usage: python bench/copy_paths.py [--reps N]
 """
 
@@ -74,9 +75,12 @@ def main() -> int:
             for src, dst in zip(pages, dsts, strict=True):
                 np.copyto(dst, src) if into else np.copyto(src, dst)
 
-        def client(into: bool, page=page, n=n, slots=slots, pages=pages) -> None:
+        def client(into: bool, sums: bool = False, page=page, n=n, slots=slots, pages=pages) -> None:
+            out = (
+                np.empty(BATCH, dtype=np.uint64) if sums else None
+            )  # the store's checksums, as it takes them
             for i in range(0, n, BATCH):
-                _pageio.copy_pages(pool, slots[i : i + BATCH], page, pages[i : i + BATCH], into)
+                _pageio.copy_pages(pool, slots[i : i + BATCH], page, pages[i : i + BATCH], into, out)
 
         lb = f"{page >> 10} KiB" if page < MiB else f"{page >> 20} MiB"
         raw_in, raw_out = timed(lambda: raw(True), a.reps), timed(lambda: raw(False), a.reps)
@@ -88,6 +92,9 @@ def main() -> int:
                     raw_in,
                 )
             )
+        if best:
+            store_sums = timed(with_stream(best, lambda: client(True, True)), a.reps)
+            rows.append((f"client store {lb}, streaming, with checksums", store_sums, raw_in))
         rows.append(
             (f"client store {lb}, memcpy", timed(with_stream("", lambda: client(True)), a.reps), raw_in)
         )
