@@ -1004,19 +1004,6 @@ typedef void (*stream_fn)(char *dst, const char *src, size_t n); /* n a multiple
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-__attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *src, size_t n) {
-    for (size_t i = 0; i < n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
-    }
-}
-
 static void stream_sse2(char *dst, const char *src, size_t n) { /* every x86-64 CPU has SSE2 */
     for (size_t i = 0; i < n; i += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
@@ -1045,7 +1032,7 @@ static stream_fn stream_lookup(const char *name) {
 #if defined(__x86_64__)
     if (strcmp(name, "avx2") == 0) {
         __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") ? stream_avx2 : NULL;
+        return __builtin_cpu_supports("avx2") ? pageio_stream_avx2 : NULL; /* _pageio_simd.c */
     }
     if (strcmp(name, "sse2") == 0) return stream_sse2;
 #endif
@@ -1153,7 +1140,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         char *slot = (char *)pool.buf + offs[i];
 #if defined(__x86_64__)
-        if (sum != NULL && fn == stream_avx2) { /* one pass: the hash and the copy read the page once */
+        if (sum != NULL && fn == pageio_stream_avx2) { /* one pass: the hash and the copy read the page once */
             sum[i] = pageio_copy_hash_avx2(slot, bufs[i].buf, (size_t)size);
             continue;
         }

@@ -22,11 +22,7 @@
 
 #include "_pageio_simd.h"
 
-__attribute__((__target__("avx2"))) static void stream_block(char *dst, const char *src, size_t n) {
-    if (((uintptr_t)dst & 31) != 0 || (n & 127) != 0) {
-        memcpy(dst, src, n);
-        return;
-    }
+__attribute__((__target__("avx2"))) void pageio_stream_avx2(char *dst, const char *src, size_t n) {
     for (size_t i = 0; i < n; i += 128) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
@@ -37,6 +33,13 @@ __attribute__((__target__("avx2"))) static void stream_block(char *dst, const ch
         _mm256_stream_si256((__m256i *)(dst + i + 64), c);
         _mm256_stream_si256((__m256i *)(dst + i + 96), d);
     }
+}
+
+static void stream_block(char *dst, const char *src, size_t n) {
+    if (((uintptr_t)dst & 31) != 0 || (n & 127) != 0)
+        memcpy(dst, src, n);
+    else
+        pageio_stream_avx2(dst, src, n);
 }
 
 /* XXH3_accumulate_512_avx2's step for one half-stripe already loaded: the same loads feed the copy. */

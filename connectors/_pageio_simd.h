@@ -6,6 +6,9 @@
 #include <stdint.h>
 
 #if defined(__x86_64__)
+/* Streaming stores: n a multiple of 128, dst 32-byte aligned. */
+void pageio_stream_avx2(char *dst, const char *src, size_t n);
+
 /* Copies len bytes from src to dst (streaming stores where dst is 32-byte aligned) and returns
    XXH3_64bits(src, len), reading src once. */
 uint64_t pageio_copy_hash_avx2(char *dst, const char *src, size_t len);

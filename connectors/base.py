@@ -49,6 +49,19 @@ class Capabilities:
     ttl: bool  # objects can expire by themselves
 
 
+def put_checksums(
+    keys: Sequence[str], payloads: Sequence[memoryview], checksums: Sequence[int | None] | None
+) -> list[int | None] | None:
+    """The checks of every put's arguments: one payload and, if given, one checksum a key (ValueError
+    otherwise). Returns the checksums, or None when not one is known (every page is hashed)."""
+    if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
+        n = len(keys) if checksums is None else len(checksums)
+        raise ValueError(f"{len(keys)} keys, {len(payloads)} payloads and {n} checksums")
+    if checksums is None or all(c is None for c in checksums):
+        return None
+    return list(checksums)
+
+
 class Connector(abc.ABC):
     """An L3 backend. All methods are coroutines on the daemon's event loop and must never block it."""
 

@@ -27,7 +27,7 @@ from config import Config, resolve_path
 from hicached.keys import KEY_MAX_LEN, NAMESPACE_MAX_LEN, valid_key, valid_namespace
 
 from . import file_janitor, header
-from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector
+from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, put_checksums
 
 log = logging.getLogger("hicached.connectors.file")
 
@@ -404,11 +404,7 @@ class FileConnector(Connector):
         payloads: Sequence[memoryview],
         checksums: Sequence[int | None] | None = None,
     ) -> list[bool]:
-        if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
-            raise ValueError(
-                f"{len(keys)} keys, {len(payloads)} payloads and {len(checksums or keys)} checksums"
-            )
-        sums = None if checksums is None or not any(c is not None for c in checksums) else list(checksums)
+        sums = put_checksums(keys, payloads, checksums)
         views = list(map(_byte_view, payloads))
         self.counters["puts"] += len(keys)
         if not keys:

@@ -25,7 +25,7 @@ from config import Config, resolve_path
 from hicached.retry import Backoff
 
 from . import header
-from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, log
+from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, log, put_checksums
 
 T = TypeVar("T")
 
@@ -236,11 +236,7 @@ class RedisConnector(Connector):
         payloads: Sequence[memoryview],
         checksums: Sequence[int | None] | None = None,
     ) -> list[bool]:
-        if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
-            raise ValueError(
-                f"{len(keys)} keys, {len(payloads)} payloads and {len(checksums or keys)} checksums"
-            )
-        sums = checksums if checksums is not None else [None] * len(keys)
+        sums = put_checksums(keys, payloads, checksums) or [None] * len(keys)
         self.counters["puts"] += len(keys)
         if not keys:
             return []

@@ -19,7 +19,14 @@ from aiobotocore.config import AioConfig
 from config import Config
 
 from . import header
-from .base import BackendError, BackendMisconfigured, BackendUnavailable, Capabilities, Connector
+from .base import (
+    BackendError,
+    BackendMisconfigured,
+    BackendUnavailable,
+    Capabilities,
+    Connector,
+    put_checksums,
+)
 
 T = TypeVar("T")
 
@@ -206,12 +213,8 @@ class S3Connector(Connector):
             await self._client.put_object(Bucket=self._bucket, Key=self._object(namespace, key), Body=body)
             return True
 
-        if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
-            raise ValueError(
-                f"{len(keys)} keys, {len(payloads)} payloads and {len(checksums or keys)} checksums"
-            )
+        sums = put_checksums(keys, payloads, checksums) or [None] * len(keys)
         self.counters["puts"] += len(keys)
-        sums = checksums if checksums is not None else [None] * len(keys)
         done = await self._each(put_one, keys, list(zip(payloads, sums, strict=True)))
         self.counters["bytes_written"] += sum(p.nbytes for p in payloads)
         return done
