@@ -11,7 +11,7 @@ import collections
 import gc
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .slabs import SizeClass, SlabAllocator, slot_size
 
@@ -27,6 +27,27 @@ _STEAL_CANDIDATES = 16  # LRU pages of a victim class whose slabs are tried befo
 # scanned again, still freed by reference counting when it goes), from this many entries on.
 _FREEZE_FROM = 16384
 _FREEZE_GROWTH = 1.25
+# stats_sliced yields to the event loop after this many entries (~2 ms of walk), not after all of them
+# (~100 ms for 512K entries).
+_STATS_SLICE = 16384
+
+
+def _tally(entries: Iterable[Entry]) -> list[int]:
+    """[ready, writing, filling, pinned, leased] over `entries`, in one pass."""
+    ready = writing = filling = pinned = leased = 0
+    for e in entries:
+        st = e.state
+        if st is READY:
+            ready += 1
+        elif st is WRITING:
+            writing += 1
+        elif st is FILLING:
+            filling += 1
+        if e.pinned:
+            pinned += 1
+        if e.leases:
+            leased += 1
+    return [ready, writing, filling, pinned, leased]
 
 
 class Entry:
@@ -433,15 +454,32 @@ class PageIndex:
         return (free + self.evictable_bytes) / self.alloc.capacity
 
     def stats(self) -> dict:
-        states = collections.Counter(e.state for e in self.entries.values())
+        """Counts of the index, exact: the states, pins and leases from one walk over every entry."""
+        return self._stats(_tally(self.entries.values()))
+
+    async def stats_sliced(self, per_slice: int = _STATS_SLICE) -> dict:
+        """stats() for a running daemon (`ctl stats`, an engine's `stats`): the walk over the entries, of a
+        copy of each namespace's list taken first, yields to the event loop every `per_slice` entries. An
+        entry that changes meanwhile is counted as it was when the walk reached it."""
+        totals = [0] * 5
+        for entries in [list(d.values()) for d in list(self._by_ns.values())]:
+            for start in range(0, len(entries), per_slice):
+                totals = [
+                    a + b for a, b in zip(totals, _tally(entries[start : start + per_slice]), strict=True)
+                ]
+                await asyncio.sleep(0)
+        return self._stats(totals)
+
+    def _stats(self, tally: list[int]) -> dict:
+        ready, writing, filling, pinned, leased = tally
         return {
             "pages": self._count,
-            "ready": states[READY],
-            "writing": states[WRITING],
-            "filling": states[FILLING],
+            "ready": ready,
+            "writing": writing,
+            "filling": filling,
             "dirty": self.dirty_pages,
-            "pinned": sum(1 for e in self.entries.values() if e.pinned),
-            "leased": sum(1 for e in self.entries.values() if e.leases),
+            "pinned": pinned,
+            "leased": leased,
             "reserved": self.reserved,
             "reserved_bytes": self.reserved_bytes,
             "evictable_bytes": self.evictable_bytes,

@@ -415,8 +415,8 @@ class Server:
         def status(s: Session, req: dict[str, Any]) -> dict:
             return self.status()
 
-        def stats(s: Session, req: dict[str, Any]) -> dict:
-            return self.stats()
+        def stats(s: Session, req: dict[str, Any]) -> Any:
+            return self.stats_sliced()
 
         return {
             "hello": hello,
@@ -452,8 +452,12 @@ class Server:
             "regions": self.regions.count,
         }
 
-    def stats(self) -> dict:
-        out = self.tiers.stats()
+    async def stats_sliced(self) -> dict:
+        """stats(), with the walk over L2's index in slices between which the event loop runs."""
+        return self.stats(await self.tiers.index.stats_sliced())
+
+    def stats(self, pool: dict | None = None) -> dict:
+        out = self.tiers.stats(pool)
         out["server"] = {"connections": len(self.connections), "refused": self.refused}
         out["regions"] = self.regions.stats()
         return out

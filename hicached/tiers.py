@@ -642,9 +642,10 @@ class Tiers:
     def _no_room(self) -> bool:
         return bool(self.index.dirty) and self.index.evictable_bytes == 0 and not self.index.alloc.free_slabs
 
-    def stats(self) -> dict:
+    def stats(self, pool: dict | None = None) -> dict:
+        """`pool`: the index's counts, if taken already (PageIndex.stats_sliced); else taken here."""
         return {
-            "pool": self.index.stats(),
+            "pool": self.index.stats() if pool is None else pool,
             "counters": dict(self.counters),
             "backup": {"pending": self.backup.pending, "inflight": self.backup.inflight},
             "prefetch": {"pending": self.prefetcher.pending},

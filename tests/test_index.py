@@ -519,6 +519,38 @@ def test_stats(idx: PageIndex) -> None:
     assert idx.stats()["pages"] == 5
 
 
+async def test_stats_sliced_counts_as_stats_does_and_lets_the_loop_run(idx: PageIndex) -> None:
+    """What `ctl stats` uses on a running daemon: the same counts, the walk cut into slices (here of 2
+    entries) between which the event loop runs other work."""
+    for i in range(3):
+        ready(idx, key(i))
+    p = ready(idx, key(3))
+    p.pinned = True
+    idx.update(p)
+    idx.lease(ready(idx, key(4), B))
+    idx.allocate(NS, key(5), A, WRITING)
+    idx.allocate("other.ns", key(6), A, FILLING)
+    turns = 0
+
+    async def other_work() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(other_work())
+    await asyncio.sleep(0)
+    try:
+        before = turns
+        sliced = await idx.stats_sliced(per_slice=2)
+        assert turns - before >= 3  # 6 entries in one namespace and 1 in another: 4 slices
+    finally:
+        task.cancel()
+    assert sliced == idx.stats()
+    counts = {k: sliced[k] for k in ("ready", "writing", "filling", "pinned", "leased")}
+    assert counts == {"ready": 5, "writing": 1, "filling": 1, "pinned": 1, "leased": 1}
+
+
 def test_stats_counters(idx: PageIndex) -> None:
     fill(idx, A, "a")
     ready(idx, key(0, "x"), A)  # one eviction
