@@ -696,11 +696,8 @@ class FileConnector(Connector):
         try:
             try:
                 size = payload.nbytes
-                if digest is not None:
-                    head = header.pack(namespace, key, size, digest)
-                    _pwritev_at(fd, [memoryview(head), payload], header.HEADER_SIZE + size, 0)
-                elif size <= _CHUNK:
-                    head = header.encode(namespace, key, payload)
+                if digest is not None or size <= _CHUNK:  # a digest given: the payload is not read here
+                    head = header.encode(namespace, key, payload, digest)
                     _pwritev_at(fd, [memoryview(head), payload], header.HEADER_SIZE + size, 0)
                 else:
                     # Each chunk is hashed just before it is written, so the kernel copies it out of the CPU
