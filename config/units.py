@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 KiB = 1024
@@ -63,6 +64,8 @@ def parse_duration(value: int | float | str) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 500ms, got a boolean")
     if isinstance(value, int | float):
+        if not math.isfinite(value):  # TOML's nan and inf: a time-out that never ends, or never starts
+            raise ValueError(f"expected a finite duration such as 500ms or 5s, got {value}")
         if value < 0:
             raise ValueError(f"a duration cannot be negative, got {value}")
         return float(value)

@@ -109,6 +109,11 @@ class Connector(abc.ABC):
         """What an operator may want to know of how this connector runs (`ctl stats`: backend_info)."""
         return {}
 
+    def location(self) -> tuple:
+        """What names the store this connector reads and writes: two connectors with the same location
+        see the same pages (a backend re-attached, or rebuilt for a new timeout). Default: only itself."""
+        return (self.name, id(self))
+
     async def probe(self, timeout: float = 10.0) -> None:
         """Write, read back and delete a probe object; raises BackendError if any step fails."""
         payload = memoryview(b"hicached-probe-" + bytes(range(256)))

@@ -322,6 +322,9 @@ class FileConnector(Connector):
         if self._closed and not self._in_engines:
             self._unwatch()
 
+    def location(self) -> tuple:
+        return ("file", self.root)
+
     def info(self) -> dict:
         out = {
             "root": self.root,

@@ -115,6 +115,10 @@ class RedisConnector(Connector):
     def _key(self, namespace: str, key: str) -> str:
         return f"{self._rcfg.prefix}:{namespace}:{key}"
 
+    def location(self) -> tuple:
+        r = self._rcfg
+        return ("redis", r.url, r.cluster, r.username, r.prefix)
+
     def _client_options(self) -> dict[str, Any]:
         r = self._rcfg
         opts: dict[str, Any] = {

@@ -70,6 +70,10 @@ class S3Connector(Connector):
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
 
+    def location(self) -> tuple:
+        c = self._s3cfg
+        return ("s3", c.endpoint_url, c.region, c.bucket, c.prefix)
+
     def _object(self, namespace: str, key: str) -> str:
         prefix = self._s3cfg.prefix.strip("/")
         return f"{prefix}/{namespace}/{key}" if prefix else f"{namespace}/{key}"

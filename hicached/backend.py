@@ -69,6 +69,10 @@ class Backend:
         self._idle: dict[int, asyncio.Event] = {}
         self._failures = 0
         self._probe_task: asyncio.Task[None] | None = None
+        # Bumped when a connector to another store (Connector.location) is attached: what the pages in L2
+        # know of being in L3, and writes in flight to the old store, say nothing of the new one.
+        self.epoch = 0
+        self._location: tuple | None = None
         # Called with the connector after it is attached (by a swap or a re-attach): the tiers queue the
         # pages in L2 that are not in L3 yet.
         self.on_attach: Callable[[Connector], None] = lambda c: None
@@ -114,6 +118,13 @@ class Backend:
                 ev = self._idle.pop(key, None)
                 if ev is not None:
                     ev.set()
+
+    def note_location(self, conn: Connector) -> None:
+        location = conn.location()
+        if location != self._location:
+            if self._location is not None:
+                self.epoch += 1
+            self._location = location
 
     def _failure(self, conn: Connector, reason: str) -> None:
         self.counters[f"backend.failures.{conn.name}.{reason}"] += 1
@@ -177,6 +188,7 @@ class Backend:
                 return
             log.info("L3 backend %s answers; attached", conn.name)
             self.tripped = None
+            self.note_location(conn)
             self.current = conn
             self.counters["backend.reattached"] += 1
             self.on_attach(conn)
@@ -200,6 +212,8 @@ class Backend:
                 raise
         old = self.current or (self.tripped if isinstance(self.tripped, Connector) else None)
         await self._stop_probing()
+        if new is not None:
+            self.note_location(new)
         self.current = new
         self._failures = 0
         if new is None:

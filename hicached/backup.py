@@ -187,9 +187,12 @@ class Backup:
                 sums = [e.checksum for e in todo]
                 if not any(sums):  # (0 is a checksum too, but one in 2^64: it is only hashed again)
                     sums = None
+                epoch = self.backend.epoch
                 ok = await self.backend.call(
                     "put", lambda c, keys=keys, views=views, sums=sums: c.put(ns, keys, views, sums)
                 )
+                if self.backend.epoch != epoch:
+                    continue  # written to a store swapped out meanwhile: write them to the new one
                 failed, nbytes = [], 0
                 for e, good in zip(todo, ok, strict=True):
                     if good:  # re-filed (evictable now) when _write releases its lease

@@ -55,6 +55,9 @@ class Prefetcher:
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = itertools.count()
         self.pending = 0  # pages queued or being read
+        # Futures of batches that another fetch merged into (it waits on their pages): such a batch is
+        # read even after its own request found a hole before it.
+        self._merged: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -81,6 +84,14 @@ class Prefetcher:
     def request(self) -> _Request:
         """What fetch() calls for the steps of one request share: where its first missing page is."""
         return _Request()
+
+    def merge(self, entries: list[Any]) -> None:
+        """A request waits on `entries`: those being read (FILLING) are in the batches of other requests,
+        which must now be read even if their own request finds a hole before them."""
+        merged = self._merged
+        for e in entries:
+            if type(e) is Entry and e.fill is not None:
+                merged.add(e.fill)
 
     def fetch(
         self,
@@ -118,6 +129,7 @@ class Prefetcher:
             else:
                 index.lease(entry)
                 out.append(entry)
+        self.merge(out)
         # Then the slots for the missing pages, all in one go (a full pool evicts one page for each). A new
         # entry holds two leases: one for the fetch until the read ends, one as for the pages found above.
         new: list[tuple[int, Entry]] = []
@@ -178,16 +190,18 @@ class Prefetcher:
                     return
                 continue
             try:
-                if batch[0][0] > req.hole:
+                if batch[0][0] > req.hole and batch[0][1].fill not in self._merged:
                     self.counters["prefetch.skipped_after_hole"] += len(batch)
                     self._finish(batch, [False] * len(batch))
                     continue
+                epoch = self.backend.epoch
                 ok = await self._read(ns, [e for _, e in batch])
                 for (pos, _), good in zip(batch, ok, strict=True):
                     if not good:
                         req.hole = min(req.hole, pos)
                         break
-                self._finish(batch, ok)
+                # Read from a store swapped out meanwhile: good bytes, but not known to be in the new one.
+                self._finish(batch, ok, in_l3=self.backend.epoch == epoch)
             except asyncio.CancelledError:
                 self._finish(batch, [False] * len(batch))
                 raise
@@ -210,7 +224,7 @@ class Prefetcher:
                     self.index.remove(entry, quarantine=self.quarantine)
         return [False] * len(entries)
 
-    def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool]) -> None:
+    def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool], in_l3: bool = True) -> None:
         self.pending -= len(batch)
         done = batch[0][1].fill
         pages = 0
@@ -218,7 +232,7 @@ class Prefetcher:
         for (_, entry), good in zip(batch, ok, strict=True):
             if good:
                 entry.state = READY
-                entry.in_l3 = True
+                entry.in_l3 = in_l3
                 pages += 1
             else:
                 remove(entry)
@@ -230,5 +244,7 @@ class Prefetcher:
         self.counters["prefetch.bytes"] += pages * batch[0][1].size  # a batch is of one namespace
         if pages < len(batch):
             self.counters["prefetch.misses"] += len(batch) - pages
-        if done is not None and not done.done():
-            done.set_result(None)
+        if done is not None:
+            self._merged.discard(done)
+            if not done.done():
+                done.set_result(None)

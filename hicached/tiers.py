@@ -85,6 +85,9 @@ class Tiers:
         self.counters: collections.Counter[str] = collections.Counter()
         self.backend = Backend(cfg, self.counters)
         self.backend.current = connector
+        if connector is not None:
+            self.backend.note_location(connector)
+        self._l3_epoch = self.backend.epoch  # the store that entries' in_l3 refers to
         self.backend.on_attach = self._attached
         self.backend.on_detach = self._detached
         # (namespace, key) of pages that left L2 while in L3, most recent last; bounded.
@@ -159,6 +162,12 @@ class Tiers:
     def _attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
         self.known_in_l3.clear()  # what the previous backend held says nothing about this one
+        # Another store (not the same one re-attached): pages that reached the old store are not known to
+        # be in this one. They stay clean and evictable (a swap does not copy L2 into the new store, nor
+        # hold the pool until it has), but a page that leaves L2 is no longer remembered as in L3, and a
+        # store of it again is written to the new store.
+        other_store = self.backend.epoch != self._l3_epoch
+        self._l3_epoch = self.backend.epoch
         n = 0
         for entry in self.index.entries.values():
             if entry.state == READY and not entry.in_l3 and not entry.dirty:
@@ -167,6 +176,8 @@ class Tiers:
                 if not self.write_back:
                     self.backup.submit(entry)
                 n += 1
+            elif other_store:
+                entry.in_l3 = False
         if n:
             log.info("queued %d pages that are not in L3 yet for %s", n, connector.name)
 
@@ -225,8 +236,11 @@ class Tiers:
             raise HicachedError(
                 BAD_REQUEST, f"namespace {ns!r} holds pages of {known} bytes, not {page_bytes}"
             )
-        if s.reserved and (s.ns, s.page_bytes) != (ns, page_bytes):
-            self._unreserve(s)  # set aside for the other namespace or page size
+        if (s.ns, s.page_bytes) != (ns, page_bytes):
+            if s.reserved:
+                self._unreserve(s)  # set aside for the other namespace or page size
+            if s.writing:  # keyed by key alone: pages being written for the old namespace are let go
+                self._abandon_writing(s)
         s.ns, s.page_bytes = ns, page_bytes
         return {"slot_bytes": slot_size(page_bytes)}
 
@@ -235,6 +249,12 @@ class Tiers:
             self.index.unreserve(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
         s.reserved.clear()
 
+    def _abandon_writing(self, s: Session) -> None:
+        for e in s.writing.values():
+            self.index.unlease(e)
+            self.index.remove(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
+        s.writing.clear()
+
     def close_session(self, s: Session) -> None:
         for entries in s.leases.values():
             self.index.unlease_all(entries)
@@ -242,10 +262,7 @@ class Tiers:
         for h in s.handles.values():
             self.index.unlease_all(h.entries)
         s.handles.clear()
-        for e in s.writing.values():
-            self.index.unlease(e)
-            self.index.remove(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
-        s.writing.clear()
+        self._abandon_writing(s)
         self._unreserve(s)
 
     # Store: alloc -> engine writes the bytes -> commit.
@@ -467,6 +484,7 @@ class Tiers:
         self.last_engine_io = time.monotonic()
         entries = self._leading_l2(s.ns, keys)
         self.index.lease_all(entries)
+        self.prefetcher.merge(entries)
         if fetch and len(entries) < len(keys):
             entries += self.prefetcher.fetch(
                 s.ns, keys[len(entries) :], s.page_bytes, LOAD_PRIORITY, lease=True
@@ -516,6 +534,7 @@ class Tiers:
         step = keys[start : start + PREFETCH_STEP]
         entries = self._leading_l2(s.ns, step)
         self.index.lease_all(entries)
+        self.prefetcher.merge(entries)
         if len(entries) < len(step):
             entries += self.prefetcher.fetch(
                 s.ns, step[len(entries) :], s.page_bytes, priority, req, start + len(entries), lease=True

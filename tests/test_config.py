@@ -103,6 +103,14 @@ def test_parse_duration_rejects(bad: Any) -> None:
         parse_duration(bad)
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_toml_nan_and_inf_durations_are_refused(tmp_path: Path, bad: str) -> None:
+    p = tmp_path / "h.toml"
+    p.write_text(f"[storage]\noperation_timeout = {bad}\n")  # TOML floats, not strings
+    with pytest.raises(config.ConfigError, match="storage.operation_timeout"):
+        config.load(p)
+
+
 @pytest.mark.parametrize(
     "n, text",
     [

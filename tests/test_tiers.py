@@ -703,3 +703,132 @@ async def test_dirty_pages_are_counted_as_they_change(tmp_path):
             assert t.index.stats()["dirty"] == 0
         finally:
             await close_tiers(t)
+
+
+async def test_hello_to_another_namespace_lets_go_of_slots_being_written(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t, "nsA")
+        assert t.alloc(s, ["k"])[0] == [ALLOC_WRITE]
+        t.hello(s, "nsB", PAGE)  # s.writing is keyed by key alone: nsA's k must not be orphaned
+        assert t.alloc(s, ["k"])[0] == [ALLOC_WRITE]
+        assert t.commit(s, ["k"]) == [True]
+        t.close_session(s)
+        assert t.index.get("nsA", "k") is None
+        other = session(t, "nsA")
+        assert t.alloc(other, ["k"])[0] == [ALLOC_WRITE]  # not "present": nothing of nsA/k is stored
+    finally:
+        await close_tiers(t)
+
+
+async def test_swap_to_another_store_forgets_what_the_old_store_held(tmp_path):
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        write(t, s, ["x", "y"])
+        assert await t.backup.drain(10)
+        (tmp_path / "b").mkdir()
+        new = FileConnector(cfg_for(tmp_path / "b"))
+        await new.start()
+        before = t.counters["backup.pages"]
+        await t.backend.attach(new, probe=False)
+        assert await t.backup.drain(10)
+        # A swap does not copy L2 into the new store: x and y stay clean and evictable...
+        assert t.counters["backup.pages"] == before and await new.exists("ns1", ["x"]) == 0
+        assert not t.index.get("ns1", "x").dirty
+        # ...but they are no longer taken for pages in L3: once they leave L2, a store of them again is
+        # written to the new store (before, it was acknowledged as "known in L3" and never written).
+        t.index._evict(t.index.size_class(PAGE), 2)
+        assert write(t, s, ["x", "y"]) == [True, True]
+        assert t.counters["store.known_in_l3"] == 0
+        assert await t.backup.drain(10)
+        assert await new.exists("ns1", ["x", "y"]) == 2
+        # The same store again (a breaker re-attach, a reload of a timeout): what L2 knows of it holds.
+        t.index._evict(t.index.size_class(PAGE), 2)
+        await t.backend.attach(FileConnector(cfg_for(tmp_path / "b")), probe=False)
+        assert write(t, s, ["x"]) == [True]
+        assert t.counters["store.known_in_l3"] == 0  # known_in_l3 is cleared by any attach...
+        assert t.index.get("ns1", "x").in_l3 is False and t.index.get("ns1", "x").dirty
+        assert await t.backup.drain(10)
+        write(t, s, ["z"])
+        assert await t.backup.drain(10)
+        before = t.counters["backup.pages"]
+        await t.backend.attach(FileConnector(cfg_for(tmp_path / "b")), probe=False)
+        assert await t.backup.drain(10)
+        assert t.counters["backup.pages"] == before  # ...but pages in L2 known to be in it stay so
+        assert t.index.get("ns1", "z").in_l3
+    finally:
+        await close_tiers(t)
+
+
+async def test_backup_in_flight_to_a_swapped_out_store_is_written_to_the_new_one(tmp_path):
+    cfg = cfg_for(tmp_path)
+    gate = asyncio.Event()
+
+    class Slow(FileConnector):
+        async def put(self, namespace, keys, payloads, checksums=None):
+            await gate.wait()
+            return await super().put(namespace, keys, payloads, checksums)
+
+    t = await make_tiers(tmp_path, connector=Slow(cfg), backup_defer=0)
+    try:
+        s = session(t)
+        write(t, s, ["x"])
+        await asyncio.sleep(0.05)  # the put is in flight on the old store
+        (tmp_path / "b").mkdir()
+        new = FileConnector(cfg_for(tmp_path / "b"))
+        await new.start()
+        swap = asyncio.create_task(t.backend.attach(new, probe=False))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await swap
+        assert await t.backup.drain(10)
+        assert await new.exists("ns1", ["x"]) == 1
+    finally:
+        await close_tiers(t)
+
+
+async def test_prefetch_from_a_swapped_out_store_is_not_taken_for_in_the_new_one(tmp_path):
+    gate = asyncio.Event()
+
+    class Slow(FileConnector):
+        async def get_into(self, namespace, keys, buffers):
+            await gate.wait()
+            return await super().get_into(namespace, keys, buffers)
+
+    t = await make_tiers(tmp_path, connector=Slow(cfg_for(tmp_path)))
+    try:
+        s = session(t)
+        write(t, s, ["x"])
+        assert await t.backup.drain(10)
+        t.index.remove(t.index.get("ns1", "x"))  # in the old store only
+        h = t.prefetch(s, ["x"], 0)
+        await asyncio.sleep(0.05)  # the read is in flight on the old store
+        (tmp_path / "b").mkdir()
+        new = FileConnector(cfg_for(tmp_path / "b"))
+        await new.start()
+        swap = asyncio.create_task(t.backend.attach(new, probe=False))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await swap
+        assert await t.wait(s, h, 5) == 1  # good bytes from the old store...
+        entry = t.index.get("ns1", "x")
+        assert entry.state == READY and not entry.in_l3  # ...not taken for a page in the new one
+    finally:
+        await close_tiers(t)
+
+
+async def test_a_fetch_merged_into_a_batch_after_anothers_hole_still_gets_its_page(tmp_path):
+    t = await make_tiers(tmp_path, prefetch_concurrency=1, prefetch_batch_pages=1)
+    try:
+        s = session(t)
+        write(t, s, ["y"])
+        assert await t.backup.drain(10)
+        t.index.remove(t.index.get("ns1", "y"))  # y is in L3 only; x is nowhere
+        h = t.prefetch(s, ["x", "y"], 0)  # engine 1: its read of y is after its hole (x)
+        n, _ = await t.acquire(session(t), ["y"], fetch=True)  # engine 2 merges into that read of y
+        assert n == 1  # engine 2 has no hole: its page is read, not skipped
+        assert await t.wait(s, h, 5) == 0  # engine 1 still gets its leading prefix: none
+        assert t.counters["prefetch.skipped_after_hole"] == 0
+    finally:
+        await close_tiers(t)
