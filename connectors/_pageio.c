@@ -114,11 +114,12 @@ static int key_tag(const char *ns, size_t ns_len, const char *key, size_t key_le
     return 0;
 }
 
-/* preadv / pwritev until every byte moved, end of file, or an error: bytes moved, or -errno. The usual case
-   is one call; the loop runs only after a short transfer. */
-static ssize_t xfer(int fd, struct iovec *iov, int cnt, off_t offset, int write) {
+/* preadv / pwritev until `want` bytes moved (iovecs past them are filled only if the same calls reach
+   them: a read's sentinel byte), end of file, or an error: bytes moved, or -errno. The usual case is one
+   call; the loop runs only after a short transfer. */
+static ssize_t xfer(int fd, struct iovec *iov, int cnt, off_t offset, int write, size_t want) {
     ssize_t total = 0;
-    while (cnt > 0) {
+    while (cnt > 0 && (size_t)total < want) {
         ssize_t n = write ? pwritev(fd, iov, cnt, offset) : preadv(fd, iov, cnt, offset);
         if (n < 0) {
             if (errno == EINTR) continue;
@@ -157,12 +158,12 @@ static int read_one(Job *j, const char *ns, size_t ns_len, size_t chunk, double 
     if (err) return err;
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return errno;
-    uint8_t head[HEADER_SIZE];
+    uint8_t head[HEADER_SIZE], extra; /* extra: a byte past the payload, read only by the same calls */
     uint8_t *dest = j->buf.buf;
     size_t size = (size_t)j->buf.len, first = size < chunk ? size : chunk;
     uint64_t actual;
-    struct iovec iov[2] = {{head, HEADER_SIZE}, {dest, first}};
-    ssize_t got = xfer(fd, iov, 2, 0, 0);
+    struct iovec iov[3] = {{head, HEADER_SIZE}, {dest, first}, {&extra, 1}};
+    ssize_t got = xfer(fd, iov, size <= chunk ? 3 : 2, 0, 0, HEADER_SIZE + first);
     if (got < 0) goto fail;
     if (size <= chunk) {
         actual = XXH3_64bits(dest, size);
@@ -173,8 +174,8 @@ static int read_one(Job *j, const char *ns, size_t ns_len, size_t chunk, double 
         XXH3_64bits_update(&state, dest, first);
         for (size_t start = first; (size_t)got == HEADER_SIZE + start && start < size; start += chunk) {
             size_t n = size - start < chunk ? size - start : chunk;
-            struct iovec part = {dest + start, n};
-            ssize_t r = xfer(fd, &part, 1, (off_t)(HEADER_SIZE + start), 0);
+            struct iovec part[2] = {{dest + start, n}, {&extra, 1}};
+            ssize_t r = xfer(fd, part, start + n == size ? 2 : 1, (off_t)(HEADER_SIZE + start), 0, n);
             if (r < 0) {
                 got = r;
                 goto fail;
@@ -195,7 +196,7 @@ static int read_one(Job *j, const char *ns, size_t ns_len, size_t chunk, double 
         result = RESULT_LENGTH;
     else if (get_u64(head + 24) != tag)
         result = RESULT_KEY;
-    else if ((size_t)got != HEADER_SIZE + size)
+    else if ((size_t)got != HEADER_SIZE + size) /* short, or longer than its page (the extra byte read) */
         result = RESULT_LENGTH;
     else if (get_u64(head + 16) != actual)
         result = RESULT_CHECKSUM;
@@ -269,14 +270,14 @@ static int write_one(Job *j, const char *ns, size_t ns_len, size_t root_len, siz
     for (size_t start = 0; start < size && r >= 0; start += chunk) {
         size_t n = size - start < chunk ? size - start : chunk;
         struct iovec part = {(void *)(payload + start), n};
-        r = xfer(fd, &part, 1, (off_t)(HEADER_SIZE + start), 1);
+        r = xfer(fd, &part, 1, (off_t)(HEADER_SIZE + start), 1, n);
         if (r >= 0 && (size_t)r != n) r = -EIO;
         if (r >= 0 && !j->has_sum) XXH3_64bits_update(&state, payload + start, n);
     }
     if (r >= 0) {
         put_u64(head + 16, j->has_sum ? j->sum : XXH3_64bits_digest(&state));
         struct iovec iov = {head, HEADER_SIZE};
-        r = xfer(fd, &iov, 1, 0, 1);
+        r = xfer(fd, &iov, 1, 0, 1, HEADER_SIZE);
         if (r >= 0 && r != HEADER_SIZE) r = -EIO;
     }
     if (r >= 0 && do_fsync && fsync(fd) != 0) r = -errno;

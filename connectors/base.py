@@ -12,6 +12,7 @@ import abc
 import asyncio
 import collections
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -71,6 +72,9 @@ class Connector(abc.ABC):
     def __init__(self) -> None:
         # Counted by reason: "corrupt.checksum", "errors.timeout", ... Read by `stats`.
         self.counters: collections.Counter[str] = collections.Counter()
+        # Each connector probes under a key of its own: nodes that share a store (Redis, S3) and probe it
+        # at once must not delete each other's probe object between its write and its read.
+        self._probe_key = f"probe-{secrets.token_hex(8)}"
 
     async def start(self) -> None:
         """Open clients, create directories. Raises BackendError if the store is not usable."""
@@ -117,7 +121,7 @@ class Connector(abc.ABC):
     async def probe(self, timeout: float = 10.0) -> None:
         """Write, read back and delete a probe object; raises BackendError if any step fails."""
         payload = memoryview(b"hicached-probe-" + bytes(range(256)))
-        key = "probe"
+        key = self._probe_key
         async with asyncio.timeout(timeout):
             try:
                 if not (await self.put(PROBE_NAMESPACE, [key], [payload]))[0]:

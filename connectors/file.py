@@ -156,7 +156,8 @@ def _pwritev_at(fd: int, bufs: list[memoryview], nbytes: int, offset: int) -> No
 
 
 def _preadv_at(fd: int, bufs: list[memoryview], nbytes: int, offset: int) -> int:
-    """_preadv_all with one call in the usual case, where the kernel fills all `nbytes` at once."""
+    """_preadv_all with one call in the usual case, where the kernel fills all `nbytes` at once (buffers
+    past them, a sentinel byte, are filled only if the file goes on)."""
     n = os.preadv(fd, bufs, offset)
     if 0 < n < nbytes:  # stopped short: the file may end here, or the kernel just returned early
         n += _preadv_all(fd, _advance(bufs, n), offset + n)
@@ -745,6 +746,7 @@ class FileConnector(Connector):
         out: list[Any] = []
         absent = False
         head = memoryview(bytearray(header.HEADER_SIZE))  # one per job: a page's header is parsed at once
+        head = (head, memoryview(bytearray(1)))  # and a byte past the payload: a longer file is no page
         for key, view in zip(keys, views, strict=True):
             if stop[0]:
                 out.append(_CANCELLED)
@@ -781,7 +783,10 @@ class FileConnector(Connector):
                 out[i] = OSError(code, os.strerror(code), self._path(namespace, keys[i]))
         return out
 
-    def _read_one(self, namespace: str, key: str, dest: memoryview, head: memoryview) -> Any:
+    def _read_one(
+        self, namespace: str, key: str, dest: memoryview, bufs: tuple[memoryview, memoryview]
+    ) -> Any:
+        head, extra = bufs
         path = self._path(namespace, key)
         fd = os.open(path, _READ_FLAGS)
         try:
@@ -789,10 +794,10 @@ class FileConnector(Connector):
             expected = header.HEADER_SIZE + size
             try:
                 # No fstat on the way: a short file shows in what preadv returns, a wrong length in the
-                # header, and bytes past the payload are never read (its checksum covers what is used).
+                # header, and a longer one in the byte past the payload that the same call reads.
                 # Every line here runs per page on threads that share the GIL: kept to few calls.
                 if size <= _CHUNK:
-                    got = _preadv_at(fd, [head, dest], expected, 0)
+                    got = _preadv_at(fd, [head, dest, extra], expected, 0)
                     actual = xxhash.xxh3_64_intdigest(dest)
                 else:
                     part = dest[:_CHUNK]
@@ -802,7 +807,8 @@ class FileConnector(Connector):
                     while got == header.HEADER_SIZE + end and end < size:
                         start, end = end, min(size, end + _CHUNK)
                         part = dest[start:end]
-                        got += _preadv_at(fd, [part], end - start, header.HEADER_SIZE + start)
+                        bufs = [part, extra] if end == size else [part]
+                        got += _preadv_at(fd, bufs, end - start, header.HEADER_SIZE + start)
                         hasher.update(part)
                     actual = hasher.intdigest()
                 if got < header.HEADER_SIZE:

@@ -226,3 +226,17 @@ async def test_stalled_server_times_out_then_recovers(stallable) -> None:
         finally:
             proxy.resume()
         await _works(conn, 1)
+
+
+async def test_probes_of_nodes_sharing_a_store_do_not_meet(backend) -> None:
+    """Nodes that share a store probe it at once (started together, or after one outage): one node's
+    whole probe, its delete included, between another's write and read fails neither."""
+    async with backend.connector() as first, backend.connector() as second:
+        read = first.get_into
+
+        async def read_after_the_other_probe(*args):
+            await second.probe(timeout=GUARD_S)
+            return await read(*args)
+
+        first.get_into = read_after_the_other_probe
+        await first.probe(timeout=GUARD_S)

@@ -209,6 +209,11 @@ def _empty(path: str) -> None:
     os.truncate(path, 0)
 
 
+def _append(path: str) -> None:
+    with open(path, "ab") as f:
+        f.write(b"x")
+
+
 @pytest.mark.parametrize(
     "damage, reason",
     [
@@ -219,15 +224,26 @@ def _empty(path: str) -> None:
         (lambda p: _flip(p, 25), "key"),
         (_truncate, "length"),
         (_empty, "short"),
+        (_append, "length"),
     ],
-    ids=["payload-byte", "magic", "length-field", "checksum-field", "key-tag", "truncated", "zero-length"],
+    ids=[
+        "payload-byte",
+        "magic",
+        "length-field",
+        "checksum-field",
+        "key-tag",
+        "truncated",
+        "zero-length",
+        "longer",
+    ],
 )
-async def test_corrupt_page_is_a_counted_miss_and_removed(tmp_path, damage, reason: str) -> None:
+@pytest.mark.parametrize("size", [64 * KiB, 512 * KiB + 17], ids=["one-chunk", "three-chunks"])
+async def test_corrupt_page_is_a_counted_miss_and_removed(tmp_path, damage, reason: str, size: int) -> None:
     async with started(tmp_path) as conn:
         k = key(7)
-        await conn.put(NS, [k], [page(7, 64 * KiB)])
+        await conn.put(NS, [k], [page(7, size)])
         damage(path_of(conn, k))
-        buf = memoryview(bytearray(64 * KiB))
+        buf = memoryview(bytearray(size))
         assert await conn.get_into(NS, [k], [buf]) == [False]
         assert conn.counters[f"corrupt.{reason}"] == 1
         assert conn.counters["misses"] == 1 and conn.counters["hits"] == 0
