@@ -114,6 +114,11 @@ class Client:
         self._cv = threading.Condition()
         self._results: dict[int, dict[str, Any]] = {}
         self._waiting: set[int] = set()
+        # Requests whose answer nobody waits for any more (timed out): their answer may hold a lease or
+        # slots, which the reader gives back (_Ops._orphaned) when it comes. Emptied when the connection
+        # breaks.
+        self._sent: dict[int, dict[str, Any]] = {}
+        self._orphans: dict[int, dict[str, Any]] = {}
         self._reading = False
         self._broken: str | None = None
         try:
@@ -247,6 +252,7 @@ class Client:
                 raise HicachedError(CONNECTION, self._broken)
             if not isinstance(req, _NoReply):
                 self._waiting.add(rid)
+                self._sent[rid] = req
         if not _held(req):
             self._write(held)
         return rid
@@ -261,12 +267,33 @@ class Client:
             self._fail(f"the connection to the daemon broke: {e}")
 
     def _collect(self, rid: int) -> dict[str, Any]:
+        answered = False
         try:
-            return protocol.raise_for_error(self._await(rid, time.monotonic() + self.timeout))
+            answer = self._await(rid, time.monotonic() + self.timeout)
+            answered = True
+            return protocol.raise_for_error(answer)
         finally:
+            follow = None
             with self._cv:
                 self._waiting.discard(rid)
-                self._results.pop(rid, None)
+                req = self._sent.pop(rid, None)
+                late = self._results.pop(rid, None)
+                if not answered and req is not None and not self._broken:
+                    if late is not None:  # answered just as we gave up
+                        follow = self._ops._orphaned(req, late)
+                    else:
+                        self._orphans[rid] = req
+            if follow is not None:
+                self._send_follow([follow])
+
+    def _send_follow(self, reqs: list[dict[str, Any]]) -> None:
+        """Sends requests that give back what orphaned answers held; nobody waits for their answers."""
+        frames = []
+        for req in reqs:
+            req["id"] = next(self._ids)
+            frames.append(protocol.encode(req))
+        with contextlib.suppress(HicachedError):
+            self._write(frames)
 
     def _await(self, rid: int, deadline: float) -> dict[str, Any]:
         with self._cv:
@@ -297,13 +324,21 @@ class Client:
                     msgs = self._decoder.feed(self._rbuf[:got])
                 except protocol.FrameError as e:
                     self._fail(f"unreadable answer from the daemon: {e}")
+                follow = []
                 with self._cv:
                     for m in msgs:
                         mid = m.get("id") if isinstance(m, dict) else None
                         if mid in self._waiting:
                             self._results[mid] = m
+                        elif mid in self._orphans:
+                            req = self._ops._orphaned(self._orphans.pop(mid), m)
+                            if req is not None:
+                                follow.append(req)
                     if msgs:
                         self._cv.notify_all()
+                if follow:
+                    self._send_follow(follow)
+                with self._cv:
                     if rid in self._results:
                         return self._results.pop(rid)
         finally:
@@ -315,6 +350,7 @@ class Client:
         self._ops._drop_reserved()
         with self._cv:
             self._broken = self._broken or why
+            self._orphans.clear()  # the daemon gave back what the connection held
             self._cv.notify_all()
         raise HicachedError(CONNECTION, why)
 
@@ -326,6 +362,9 @@ class _AsyncProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.broken: str | None = None
         self.on_broken: Callable[[], None] = lambda: None
+        # Requests whose caller stopped waiting (time-out, cancelled): their answers go to on_orphan.
+        self.orphans: dict[int, dict[str, Any]] = {}
+        self.on_orphan: Callable[[dict[str, Any], Any], None] = lambda req, answer: None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -338,15 +377,19 @@ class _AsyncProtocol(asyncio.Protocol):
             self._fail(f"unreadable answer from the daemon: {e}")
             return
         for m in msgs:
-            fut = self.waiters.pop(m.get("id"), None) if isinstance(m, dict) else None
+            mid = m.get("id") if isinstance(m, dict) else None
+            fut = self.waiters.pop(mid, None)
             if fut is not None and not fut.done():
                 fut.set_result(m)
+            elif mid in self.orphans:
+                self.on_orphan(self.orphans.pop(mid), m)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail("the daemon closed the connection")
 
     def _fail(self, why: str) -> None:
         self.broken = self.broken or why
+        self.orphans.clear()
         self.on_broken()
         for fut in self.waiters.values():
             if not fut.done():
@@ -366,6 +409,7 @@ class AsyncClient:
         self.timeout = timeout
         self._proto: _AsyncProtocol | None = None
         self._ids = itertools.count(1)
+        self._unwinding: set[asyncio.Task[None]] = set()
 
     async def connect(self) -> AsyncClient:
         loop = asyncio.get_running_loop()
@@ -376,6 +420,7 @@ class AsyncClient:
         sock.setblocking(False)
         _, self._proto = await loop.create_unix_connection(_AsyncProtocol, sock=sock)
         self._proto.on_broken = self._ops._drop_reserved
+        self._proto.on_orphan = self._orphan_answer
         self._ops.peer_closed = peer_closed_check(sock.fileno())
         try:
             await self._run(self._ops.op_hello())
@@ -394,6 +439,8 @@ class AsyncClient:
         if self._proto is not None and self._proto.transport is not None:
             self._proto.transport.close()
             self._proto._fail("the client is closed")
+        if self._unwinding:  # cancelled operations: their last waits end at once now
+            await asyncio.gather(*self._unwinding, return_exceptions=True)
         self._ops._detach()
 
     async def exists(self, keys: Sequence[str]) -> int:
@@ -446,21 +493,45 @@ class AsyncClient:
         return await self._run(self._ops.op_load_pages(handle, page_indices, keys))
 
     async def _run(self, op: Op) -> Any:
+        return await self._drive(op, next, op)
+
+    async def _drive(self, op: Op, step: Callable[..., Any], arg: Any) -> Any:
         held: list[bytes] = []  # frames held (client_ops._held), written at the next wait or send
         try:
-            req = next(op)
+            req = step(arg)
             while True:
                 try:
                     answer = await self._request(req, held)
                 except HicachedError as e:
                     req = op.throw(e)
                     continue
+                except asyncio.CancelledError:
+                    # The caller gave up (a cancelled task, asyncio.timeout): the operation still gives
+                    # back what it holds (aborts its slots, collects the answers it is owed), in a task
+                    # of its own, as it would after an error.
+                    cancelled = HicachedError(CONNECTION, "the call was cancelled")
+                    task = asyncio.get_running_loop().create_task(self._drive(op, op.throw, cancelled))
+                    self._unwinding.add(task)
+                    task.add_done_callback(self._unwound)
+                    raise
                 req = op.send(answer)
         except StopIteration as stop:
             return stop.value
         finally:
             if held and self._proto is not None and not self._proto.broken:
                 self._proto.transport.write(b"".join(held))
+
+    def _unwound(self, task: asyncio.Task[None]) -> None:
+        self._unwinding.discard(task)
+        if not task.cancelled():
+            task.exception()  # the error thrown into the operation, raised again by it: expected
+
+    def _orphan_answer(self, req: dict[str, Any], answer: Any) -> None:
+        follow = self._ops._orphaned(req, answer)
+        proto = self._proto
+        if follow is not None and proto is not None and not proto.broken:
+            follow["id"] = next(self._ids)
+            proto.transport.write(protocol.encode(follow))
 
     async def _request(self, req: Any, held: list[bytes]) -> Any:
         proto = self._proto
@@ -486,18 +557,29 @@ class AsyncClient:
             proto.transport.write(held[0] if len(held) == 1 else b"".join(held))
             held.clear()
         if isinstance(req, _Send):
-            return (rid, fut)  # the ticket: collected by a later _Await
-        return None if fut is None else await self._collect(rid, fut)
+            return (rid, fut, req)  # the ticket: collected by a later _Await
+        return None if fut is None else await self._collect(rid, fut, req)
 
-    async def _collect(self, rid: int, fut: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
+    async def _collect(
+        self, rid: int, fut: asyncio.Future[dict[str, Any]], req: dict[str, Any]
+    ) -> dict[str, Any]:
+        answered = False
         try:
             async with asyncio.timeout(self.timeout):
-                return protocol.raise_for_error(await fut)
+                answer = await fut
+            answered = True
+            return protocol.raise_for_error(answer)
         except TimeoutError:
             raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s") from None
         finally:
-            if self._proto is not None:
-                self._proto.waiters.pop(rid, None)
+            proto = self._proto
+            if proto is not None:
+                proto.waiters.pop(rid, None)
+                if not answered and not proto.broken:
+                    if fut.done() and not fut.cancelled() and fut.exception() is None:
+                        self._orphan_answer(req, fut.result())  # answered just as we gave up
+                    elif not fut.done() or fut.cancelled():
+                        proto.orphans[rid] = req
 
 
 def control(socket_path: str, op: str, timeout: float = DEFAULT_TIMEOUT, **args: Any) -> dict[str, Any]:

@@ -403,6 +403,26 @@ class _Ops(RegionOps):
             target = n if limit is None else limit // 2
             return max(0, target - len(self._reserved))
 
+    def _orphaned(self, req: dict[str, Any], ans: Any) -> dict[str, Any] | None:
+        """An answer that came after its caller stopped waiting for it (a time-out, a cancelled task): gives
+        back what it holds. Returns the request (sent without waiting for its answer) that frees it on the
+        daemon's side, if one is needed: else a lease or slots stay taken until the connection closes."""
+        if not isinstance(ans, dict) or ans.get("error") is not None:
+            return None
+        op = req.get("op")
+        if op == "acquire" and ans.get("offsets"):
+            return _NoReply(op="release", lease=ans["lease"])
+        if op == "alloc":
+            keys = [
+                k
+                for k, st in zip(req["keys"], ans.get("status", ()), strict=False)
+                if st == protocol.ALLOC_WRITE
+            ]
+            return _NoReply(op="abort", keys=keys) if keys else None
+        if op == "reserve":
+            self._give_back(list(ans.get("offsets", ())))  # still this connection's: the next stores use them
+        return None
+
     def op_load(self, keys: Sequence[str], buffers: Sequence[Any]) -> Op:
         if len(keys) != len(buffers):
             raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(buffers)} buffers")

@@ -50,6 +50,8 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._serving = False
+        self._started = False  # start-up done: READY=1 sent
+        self._reload_pending = False  # SIGHUP during start-up: reloaded once it is done
 
     # Lifecycle.
 
@@ -74,6 +76,10 @@ class Daemon:
         if interval:
             self._spawn(self._watchdog(interval))
         self.notifier.ready(self.status_line())
+        self._started = True
+        if self._reload_pending:
+            self._reload_pending = False
+            self._spawn(self.reload())
 
     async def _attach_configured(self, startup: bool = False) -> None:
         connector = build(self.cfg)
@@ -190,6 +196,12 @@ class Daemon:
             )
             self.should_exit.set()
         elif sig == signal.SIGHUP:
+            if not self._started:
+                # The parts a reload points at the new configuration are not all built yet, and its
+                # READY=1 would tell systemd the daemon is up before it listens.
+                log.info("received SIGHUP while starting: reloading %s once started", self.config_path)
+                self._reload_pending = True
+                return
             log.info("received SIGHUP: reloading %s", self.config_path)
             self._spawn(self.reload())
 

@@ -190,7 +190,9 @@ class Server:
             if self.stopping:
                 self._refuse(sock, DRAINING, "the daemon is shutting down")
                 return
-            if len(self.connections) >= self.cfg.server.max_connections:
+            # Those still in their handshake count too (this one is among them): a burst of connections
+            # would all pass a check of the admitted ones alone.
+            if len(self.connections) + len(self._admitting) - 1 >= self.cfg.server.max_connections:
                 self._refuse(sock, BUSY, "too many connections (server.max_connections)")
                 return
             token = secrets.token_hex(16)
@@ -312,12 +314,11 @@ class Server:
 
     def _engine_handlers(self) -> dict[str, Handler]:
         t = self.tiers
-        limit = self.cfg.server.max_keys_per_request
 
         def keys(s: Session, req: dict[str, Any]) -> list[str]:
             s.require_hello()
             try:
-                return list(check_keys(keys_arg(req, limit)))
+                return list(check_keys(keys_arg(req, self.cfg.server.max_keys_per_request)))
             except ValueError as e:
                 raise HicachedError(BAD_REQUEST, str(e)) from None
 
@@ -348,7 +349,7 @@ class Server:
             """The request's keys when every one is a ready page in L2: those are known to be valid, so
             the common lookup skips validation; None otherwise."""
             s.require_hello()
-            ks = keys_arg(req, limit)
+            ks = keys_arg(req, self.cfg.server.max_keys_per_request)
             try:
                 return ks if t.all_ready(s, ks) else None
             except TypeError:  # an unhashable "key"
@@ -375,6 +376,7 @@ class Server:
         def reserve(s: Session, req: dict[str, Any]) -> dict:
             s.require_hello()
             n = arg(req, "n", int)
+            limit = self.cfg.server.max_keys_per_request
             if not 0 <= n <= limit:
                 raise HicachedError(BAD_REQUEST, f"n must be between 0 and {limit}, got {n}")
             offsets, may_hold = t.reserve(s, n)
@@ -475,16 +477,27 @@ class Connection(asyncio.Protocol):
         self.decoder = protocol.FrameDecoder(server.cfg.server.max_frame)
         self.tasks: set[asyncio.Task[None]] = set()
         self.transport: asyncio.Transport | None = None
-        self._paused = False
+        self._paused = False  # reading paused: too many requests in flight, or answers not read
+        self._write_paused = False  # the peer does not read its answers: the transport's buffer is full
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # Answers a peer does not read stay in this buffer: past server.max_frame, no request is read
+        # until it drains (pause_writing), so a peer that never reads cannot grow the daemon's memory.
+        self.transport.set_write_buffer_limits(high=self.server.cfg.server.max_frame)
         self.server.connections.add(self)
         if self.token:
             self.server.by_token[self.token] = self
         if self._initial:
             data, self._initial = self._initial, b""
             self.data_received(data)
+            if self._paused:
+                # uvloop starts reading once connection_made returns, whatever it was told meanwhile.
+                asyncio.get_running_loop().call_soon(self._repause)
+
+    def _repause(self) -> None:
+        if self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -535,12 +548,30 @@ class Connection(asyncio.Protocol):
             task = asyncio.ensure_future(self._finish(rid, op, result))
             self.tasks.add(task)
             task.add_done_callback(self._task_done)
-            if len(self.tasks) >= self.server.cfg.server.max_inflight_per_connection and not self._paused:
-                self._paused = True
-                self.transport.pause_reading()
+            self._flow()
         else:
             result["id"] = rid
             self._send(result)
+
+    def _flow(self) -> None:
+        """Reads requests only while fewer than server.max_inflight_per_connection run and the peer reads
+        its answers."""
+        stop = self._write_paused or len(self.tasks) >= self.server.cfg.server.max_inflight_per_connection
+        if stop == self._paused or self.transport is None or self.transport.is_closing():
+            return
+        self._paused = stop
+        if stop:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._flow()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._flow()
 
     async def _finish(self, rid: int, op: str, coro: Awaitable[dict]) -> None:
         try:
@@ -555,10 +586,7 @@ class Connection(asyncio.Protocol):
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
-        if self._paused and len(self.tasks) < self.server.cfg.server.max_inflight_per_connection:
-            self._paused = False
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.resume_reading()
+        self._flow()
 
     def _error(self, rid: int, op: str, e: Exception) -> dict:
         if isinstance(e, HicachedError):

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -582,3 +583,79 @@ def test_copy_pages_takes_checksums_into_a_buffer_of_the_right_size_only():
         copy_pages(mm, [0, 4096], 4096, [bytearray(4096)] * 2, False, np.zeros(2, dtype=np.uint64))
     with pytest.raises(BufferError):
         copy_pages(mm, [0, 4096], 4096, pages, True, b"x" * 16)  # read-only
+
+
+def _slow_acquire(monkeypatch, tiers, delay: float) -> None:
+    """Tiers.acquire answers `delay` seconds late (an L3 read that takes its time). Loads of keys that are
+    not all in L2 go through it."""
+    acquire = tiers.acquire
+
+    async def slow(*args, **kwargs):
+        await asyncio.sleep(delay)
+        return await acquire(*args, **kwargs)
+
+    monkeypatch.setattr(tiers, "acquire", slow)
+
+
+async def test_cancelled_async_store_gives_its_slots_back(tmp_path):
+    """A store cancelled while it waits on its allocations (asyncio.wait_for around it) used to leave
+    every slot WRITING until the connection closed: later stores of its keys were told they were there,
+    and no read ever found them."""
+    d = Daemon(daemon_cfg(tmp_path, backend="none"))
+    await d.startup()
+    try:
+        keys = [f"cancel{i}" for i in range(32)]
+        pages = [os.urandom(PAGE) for _ in keys]
+        async with AsyncClient(d.server.path, "cancel.ns", PAGE) as c:
+            task = asyncio.create_task(c.store(keys, pages))
+            await asyncio.sleep(0)  # its allocations are sent; it waits for their answers
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(50):
+                if (await c.stats())["pool"]["writing"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await c.stats())["pool"]["writing"] == 0
+            assert await c.store(keys, pages) == [True] * 32
+            assert await c.get(keys) == pages
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+
+
+async def test_async_load_given_up_releases_the_lease_that_comes_later(tmp_path, monkeypatch):
+    d = Daemon(daemon_cfg(tmp_path, backend="none"))
+    await d.startup()
+    try:
+        keys = [f"late{i}" for i in range(4)]
+        pages = [os.urandom(PAGE) for _ in keys]
+        async with AsyncClient(d.server.path, "late.ns", PAGE, timeout=0.1) as c:
+            assert await c.store(keys, pages) == [True] * 4
+            _slow_acquire(monkeypatch, d.tiers, 0.3)
+            with pytest.raises(HicachedError, match="timeout"):
+                await c.load([*keys, "late-miss"], [bytearray(PAGE) for _ in range(5)])
+            with pytest.raises(TimeoutError):  # cancelled by the caller
+                await asyncio.wait_for(
+                    c.load([*keys, "late-miss"], [bytearray(PAGE) for _ in range(5)]), 0.05
+                )
+            await asyncio.sleep(0.6)
+            assert (await c.stats())["pool"]["leased"] == 0
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+
+
+def test_load_timed_out_releases_the_lease_that_comes_later(threaded_daemon, monkeypatch):
+    keys = [f"tlate{i}" for i in range(4)]
+    pages = [os.urandom(PAGE) for _ in keys]
+    with Client(threaded_daemon.server.path, "tlate.ns", PAGE, timeout=0.2) as c:
+        assert c.store(keys, pages) == [True] * 4
+        _slow_acquire(monkeypatch, threaded_daemon.tiers, 0.5)
+        with pytest.raises(HicachedError, match="timeout"):
+            c.load([*keys, "tlate-miss"], [bytearray(PAGE) for _ in range(5)])
+        monkeypatch.undo()
+        time.sleep(0.6)
+        assert c.exists(keys) == 4  # its answer, read by this call's reader, gives the late lease back
+        time.sleep(0.1)
+        assert c.stats()["pool"]["leased"] == 0
