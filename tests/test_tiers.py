@@ -70,6 +70,14 @@ async def close_tiers(t: Tiers) -> None:
     t.pool.close()
 
 
+async def other_store(tmp_path) -> FileConnector:
+    """A started file connector on a second root, tmp_path/b (made on first use): another store."""
+    (tmp_path / "b").mkdir(exist_ok=True)
+    conn = FileConnector(cfg_for(tmp_path / "b"))
+    await conn.start()
+    return conn
+
+
 def session(t: Tiers, ns="ns1") -> Session:
     s = Session(peer="test")
     t.hello(s, ns, PAGE)
@@ -727,9 +735,7 @@ async def test_swap_to_another_store_forgets_what_the_old_store_held(tmp_path):
         s = session(t)
         write(t, s, ["x", "y"])
         assert await t.backup.drain(10)
-        (tmp_path / "b").mkdir()
-        new = FileConnector(cfg_for(tmp_path / "b"))
-        await new.start()
+        new = await other_store(tmp_path)
         before = t.counters["backup.pages"]
         await t.backend.attach(new, probe=False)
         assert await t.backup.drain(10)
@@ -745,7 +751,7 @@ async def test_swap_to_another_store_forgets_what_the_old_store_held(tmp_path):
         assert await new.exists("ns1", ["x", "y"]) == 2
         # The same store again (a breaker re-attach, a reload of a timeout): what L2 knows of it holds.
         t.index._evict(t.index.size_class(PAGE), 2)
-        await t.backend.attach(FileConnector(cfg_for(tmp_path / "b")), probe=False)
+        await t.backend.attach(await other_store(tmp_path), probe=False)
         assert write(t, s, ["x"]) == [True]
         assert t.counters["store.known_in_l3"] == 0  # known_in_l3 is cleared by any attach...
         assert t.index.get("ns1", "x").in_l3 is False and t.index.get("ns1", "x").dirty
@@ -753,7 +759,7 @@ async def test_swap_to_another_store_forgets_what_the_old_store_held(tmp_path):
         write(t, s, ["z"])
         assert await t.backup.drain(10)
         before = t.counters["backup.pages"]
-        await t.backend.attach(FileConnector(cfg_for(tmp_path / "b")), probe=False)
+        await t.backend.attach(await other_store(tmp_path), probe=False)
         assert await t.backup.drain(10)
         assert t.counters["backup.pages"] == before  # ...but pages in L2 known to be in it stay so
         assert t.index.get("ns1", "z").in_l3
@@ -775,9 +781,7 @@ async def test_backup_in_flight_to_a_swapped_out_store_is_written_to_the_new_one
         s = session(t)
         write(t, s, ["x"])
         await asyncio.sleep(0.05)  # the put is in flight on the old store
-        (tmp_path / "b").mkdir()
-        new = FileConnector(cfg_for(tmp_path / "b"))
-        await new.start()
+        new = await other_store(tmp_path)
         swap = asyncio.create_task(t.backend.attach(new, probe=False))
         await asyncio.sleep(0.05)
         gate.set()
@@ -804,9 +808,7 @@ async def test_prefetch_from_a_swapped_out_store_is_not_taken_for_in_the_new_one
         t.index.remove(t.index.get("ns1", "x"))  # in the old store only
         h = t.prefetch(s, ["x"], 0)
         await asyncio.sleep(0.05)  # the read is in flight on the old store
-        (tmp_path / "b").mkdir()
-        new = FileConnector(cfg_for(tmp_path / "b"))
-        await new.start()
+        new = await other_store(tmp_path)
         swap = asyncio.create_task(t.backend.attach(new, probe=False))
         await asyncio.sleep(0.05)
         gate.set()
