@@ -67,6 +67,57 @@ def default_num_pages(page_bytes: int, segments: list[tuple[int, int, int]] | No
     return n or 0
 
 
+_OVERLAP_ROWS = 256  # segments compared with all the others at once (bounds the arrays to 256 x 4096)
+
+
+def _apart(segments: tuple[Segment, ...], num_pages: int) -> bool:
+    """The two layouts engines use, recognised in O(n log n): segments each in a block of its own (layer
+    first: their extents do not meet), or one stride with every segment in the same cell of it at offsets
+    that do not meet (page first: each page is one cell). True only when no bytes can meet."""
+    by_start = sorted((s.offset, s.offset + (num_pages - 1) * s.stride + s.length) for s in segments)
+    if all(end <= nxt for (_, end), (nxt, _) in zip(by_start, by_start[1:], strict=False)):
+        return True
+    stride = segments[0].stride
+    if any(s.stride != stride for s in segments):
+        return False
+    cells = {s.offset // stride for s in segments}
+    arcs = sorted((s.offset % stride, s.length) for s in segments)
+    if len(cells) != 1 or arcs[-1][0] + arcs[-1][1] > stride:
+        return False
+    return all(r + n <= nxt for (r, n), (nxt, _) in zip(arcs, arcs[1:], strict=False))
+
+
+def _overlap(segments: tuple[Segment, ...], num_pages: int) -> tuple[int, int] | None:
+    """A pair (j, k), j < k, of segments whose bytes meet in some pages i, i' (i == i' included), or None.
+
+    Same stride s (each length <= s): segment k of page i + m meets segment j of page i iff
+    -length_k < offset_k - offset_j + m * s < length_j for some |m| < num_pages, an interval of m. Different
+    strides: refused when their extents meet at all (no engine layout interleaves those)."""
+    if len(segments) < 2 or _apart(segments, num_pages):
+        return None
+    off = np.array([s.offset for s in segments], dtype=np.int64)
+    ln = np.array([s.length for s in segments], dtype=np.int64)
+    st = np.array([s.stride for s in segments], dtype=np.int64)
+    end = off + (num_pages - 1) * st + ln
+    n = len(segments)
+    for a in range(0, n, _OVERLAP_ROWS):
+        j = np.arange(a, min(a + _OVERLAP_ROWS, n))[:, None]
+        k = np.arange(n)[None, :]
+        spans = (off[j] < end[k]) & (off[k] < end[j]) & (k > j)
+        if not spans.any():
+            continue
+        d = off[k] - off[j]
+        s = st[j]
+        m_lo = np.floor_divide(-ln[k] - d, s) + 1
+        m_hi = -np.floor_divide(d - ln[j], s) - 1
+        exact = np.maximum(m_lo, 1 - num_pages) <= np.minimum(m_hi, num_pages - 1)
+        bad = spans & np.where(st[j] == st[k], exact, True)
+        if bad.any():
+            r, c = np.argwhere(bad)[0]
+            return int(j[r, 0]), int(c)
+    return None
+
+
 def parse_geometry(req: dict[str, Any], region_bytes: int) -> Geometry:
     """The geometry of a `region_attach` request, checked against the region's size; every error is a
     bad_request naming the field."""
@@ -95,6 +146,11 @@ def parse_geometry(req: dict[str, Any], region_bytes: int) -> Geometry:
         total = sum(s.length for s in segments)
         if total != page_bytes:
             raise _bad(f"segments: lengths add up to {total} bytes, but page_bytes is {page_bytes}")
+        clash = _overlap(segments, num_pages)
+        if clash is not None:
+            j, k = clash
+            # Two pages (or one page twice) would share bytes: a load writes into a page it was not asked to.
+            raise _bad(f"segments[{j}] and segments[{k}] overlap (in one page or in two pages)")
     geom = Geometry(page_bytes, num_pages, segments)
     for j, s in enumerate(segments):
         end = s.offset + (num_pages - 1) * s.stride + s.length

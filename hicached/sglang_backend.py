@@ -57,17 +57,32 @@ def namespace_prefix(storage_config: Any) -> list[str]:
     if getattr(storage_config, "attn_cp_size", 1) > 1:  # each context-parallel rank holds a slice of a page
         parts.append(f"cp{storage_config.attn_cp_rank}of{storage_config.attn_cp_size}")
     if extra.get("salt"):
-        parts.append(_clean(str(extra["salt"])))
+        parts.append(_salt(str(extra["salt"])))
     return parts
+
+
+def _salt(salt: str) -> str:
+    """The salt as a namespace part: as it is when it is made of namespace characters and short, else its
+    cleaned start and a digest of all of it, so that salts differing only in other characters (`a/b`, `a:b`)
+    or past the cut never share pages."""
+    clean = _clean(salt)
+    if clean == salt and len(salt) <= 32:
+        return salt
+    return "-".join(p for p in (clean[:32], hashlib.sha256(salt.encode()).hexdigest()[:16]) if p)
 
 
 def _join(parts: list[str]) -> str:
     ns = ".".join(p for p in parts if p)
-    if len(ns) > NAMESPACE_MAX_LEN:  # a long model name: keep it recognisable and still distinct
-        digest = hashlib.sha256(parts[0].encode()).hexdigest()[:12]
-        room = NAMESPACE_MAX_LEN - len(ns) + len(parts[0]) - len(digest) - 1
-        ns = _join([f"{parts[0][: max(room, 1)]}-{digest}", *parts[1:]])
-    return ns
+    if len(ns) <= NAMESPACE_MAX_LEN:
+        return ns
+    # A long model name: keep it recognisable and still distinct.
+    digest = hashlib.sha256(parts[0].encode()).hexdigest()[:12]
+    room = NAMESPACE_MAX_LEN - len(ns) + len(parts[0]) - len(digest) - 1
+    if room >= 1:
+        return ".".join(p for p in [f"{parts[0][:room]}-{digest}", *parts[1:]] if p)
+    # The other parts alone are too long: the start of the whole, and a digest of all of it.
+    digest = hashlib.sha256(ns.encode()).hexdigest()[:16]
+    return f"{ns[: NAMESPACE_MAX_LEN - len(digest) - 1]}-{digest}"
 
 
 class HicachedStorage(_Base):

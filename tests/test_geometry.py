@@ -183,3 +183,25 @@ def test_split_cuts_ranges_into_equal_parts():
     assert [int(q.region_off[0]) for q in parts] == [0, 2 << 20, 4 << 20, 6 << 20]
     assert len(split(p, 4, 4 << 20)) == 2  # each job gets at least min_bytes
     assert len(split(p, 4, 64 << 20)) == 1
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [
+        [[0, 64, 128], [128, 64, 128]],  # segment 1 of page i is segment 0 of page i+1
+        [[0, 64, 128], [256, 64, 128]],  # ... of page i+2
+        [[0, 64, 128], [32, 64, 128]],  # two segments of one page share bytes
+        [[0, 64, 64], [100, 64, 128]],  # different strides whose extents meet
+    ],
+)
+def test_overlapping_segments_are_refused(segments):
+    assert "overlap" in bad({"page_bytes": 128, "num_pages": 4, "segments": segments}, 1 << 12)
+
+
+def test_interleaved_layouts_are_accepted():
+    page, n, layers = 4096, 64, 8
+    layer_first = [[lay * n * page, page, page] for lay in range(2 * layers)]
+    page_first = [[lay * page, page, 2 * layers * page] for lay in range(2 * layers)]
+    for segs in (layer_first, page_first):
+        g = parse_geometry({"page_bytes": 2 * layers * page, "num_pages": n, "segments": segs}, 1 << 30)
+        assert len(g.segments) == 2 * layers

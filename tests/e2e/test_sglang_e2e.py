@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hicached.keys import page_keys
+from hicached.keys import page_keys, valid_namespace
 from hicached.sglang_backend import HicachedStorage
 
 TOKENS = 4  # tokens per page
@@ -152,12 +152,29 @@ def test_namespace_from_the_storage_config(tmp_path):
     assert tp.namespace == "org-Llama-3.1-8B.bfloat16.p4.page_first.tp1of2"
     assert tp.page_bytes == NUMEL * 2
     mla = backend(sock, pool, tp_rank=1, tp_size=2, is_mla_model=True, extra={"salt": "tenant/a"})
-    assert mla.namespace == "org-Llama-3.1-8B.bfloat16.p4.page_first.tenant-a"
+    assert mla.namespace.startswith("org-Llama-3.1-8B.bfloat16.p4.page_first.tenant-a-")
     pp = backend(sock, pool, model=None, pp_rank=1, pp_size=4)
     assert pp.namespace == "model.bfloat16.p4.page_first.tp0of1.pp1of4"
     long = backend(sock, pool, model="m" * 300)
     assert len(long.namespace) <= 128 and long.namespace.endswith(".tp0of1")
     assert long.namespace != backend(sock, pool, model="m" * 299).namespace
+
+
+def test_salts_stay_apart_and_any_length_builds_a_namespace(tmp_path):
+    sock = str(tmp_path / "s.sock")
+    pool = FakeHostPool(1)
+    names = {
+        backend(sock, pool, extra={"salt": salt}).namespace for salt in ("tenant/a", "tenant:a", "tenant a")
+    }
+    assert len(names) == 3  # salts that differ only in characters a namespace cannot hold still isolate
+    assert backend(sock, pool, extra={"salt": "tenant-a"}).namespace.endswith(".tp0of1.tenant-a")
+    for n in (85, 200, 1000):  # a long salt: a valid namespace, not a RecursionError at start-up
+        b = backend(sock, pool, model="meta-llama/Llama-3.1-8B-Instruct", extra={"salt": "t" * n})
+        assert len(b.namespace) <= 128 and valid_namespace(b.namespace)
+    assert (
+        backend(sock, pool, extra={"salt": "t" * 200}).namespace
+        != backend(sock, pool, extra={"salt": "t" * 201}).namespace
+    )
 
 
 def test_sglang_dynamic_loader_builds_it(daemon):
