@@ -61,7 +61,11 @@ def plan(old: Config, new: Config) -> Plan:
         _set(effective, key, _get(old, key))
     backend = new.storage.backend
     swap = any(
-        k == "storage.backend" or k.startswith(f"storage.{backend}.") or k == "storage.operation_timeout"
+        k == "storage.backend"
+        or k.startswith(f"storage.{backend}.")
+        or k == "storage.operation_timeout"
+        # redis-py does the Redis connector's retrying: its client is built with storage.retry
+        or (backend == "redis" and k.startswith("storage.retry."))
         for k in live
     )
     return Plan(effective, live, restart, swap)

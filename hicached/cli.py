@@ -62,6 +62,10 @@ def _socket_path(args: argparse.Namespace) -> str:
     return config.resolve_path(config.Config(), config.Config().server.socket)
 
 
+_CTL_WAIT_S = 60.0
+_FLUSH_WAIT_S = 3600.0  # longer than any sane shutdown.flush_timeout: the daemon answers when it is done
+
+
 def cmd_ctl(args: argparse.Namespace) -> int:
     from .client import control
     from .errors import HicachedError
@@ -83,7 +87,8 @@ def cmd_ctl(args: argparse.Namespace) -> int:
         print(f"hicached ctl: {args.cmd} takes no arguments", file=sys.stderr)
         return 2
     try:
-        answer = control(_socket_path(args), args.cmd, timeout=args.timeout, **extra)
+        timeout = args.timeout or (_FLUSH_WAIT_S if args.cmd in ("flush", "drain") else _CTL_WAIT_S)
+        answer = control(_socket_path(args), args.cmd, timeout=timeout, **extra)
     except HicachedError as e:
         print(f"hicached ctl: {e}", file=sys.stderr)
         return 1
@@ -96,7 +101,8 @@ def cmd_ctl(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `hicached ctl stats | head`: the reader went away, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 1 if answer.get("ok") is False else 0
+    # A reload rejected, or a flush or drain that did not write every page to L3 in time: scripts see it.
+    return 1 if answer.get("ok") is False or answer.get("flushed") is False else 0
 
 
 def _print_human(d: dict, indent: int = 0) -> None:
@@ -122,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", help="the daemon's socket (default: from --config or ./hicached.toml)")
     p.add_argument("--config", help="read the socket path from this configuration")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds to wait for the answer (default 60; for flush and drain, which the daemon bounds "
+        "with shutdown.flush_timeout itself, 3600)",
+    )
     p.add_argument("cmd", choices=["status", "stats", "reload", "backend", "drain", "flush"])
     p.add_argument("args", nargs="*", help="backend: show | attach [file|redis|s3] | detach; drain: [cancel]")
     p.set_defaults(fn=cmd_ctl)

@@ -52,6 +52,11 @@ class Daemon:
         self._serving = False
         self._started = False  # start-up done: READY=1 sent
         self._reload_pending = False  # SIGHUP during start-up: reloaded once it is done
+        # The warm list read at start until it has been replayed: kept in the lists written meanwhile, so
+        # that a stop (or a backend late at start) before the replay is done does not lose it. None until it
+        # is read: nothing is written over it then.
+        self._warm_pending: list[warmup.WarmPage] | None = None
+        self._snapshot_task: asyncio.Task[Any] | None = None
 
     # Lifecycle.
 
@@ -72,6 +77,9 @@ class Daemon:
             await self.metrics.start(cfg.metrics.listen)
         if cfg.warmup.enabled:
             self._spawn(self._warmup())
+        else:
+            self._warm_pending = []
+        self._follow_snapshot_interval()
         interval = watchdog_interval()
         if interval:
             self._spawn(self._watchdog(interval))
@@ -113,25 +121,46 @@ class Daemon:
     async def _warmup(self) -> None:
         loop = asyncio.get_running_loop()
         pages = await loop.run_in_executor(None, warmup.load, self._warm_path())
-        if pages:
-            if self.tiers.connector is None:
-                log.info("warmup: %d pages listed, but no backend is attached to read them from", len(pages))
-            else:
-                await warmup.warm(self.tiers, pages, self._warm_limit())
-        interval = self.cfg.warmup.snapshot_interval
-        while interval > 0:
+        self._warm_pending = pages
+        if not pages:
+            return
+        if self.tiers.connector is None:
+            # Down at start (the breaker retries it), or detached: the list waits for a backend to read from.
+            log.info("warmup: %d pages listed; waiting for an L3 backend to read them from", len(pages))
+            await self.tiers.attached.wait()
+        await warmup.warm(self.tiers, pages, self._warm_limit())
+        self._warm_pending = []
+
+    def _follow_snapshot_interval(self) -> None:
+        """Runs the periodic snapshot of the warm list as warmup.enabled and snapshot_interval say (at start,
+        and after a reload that changed them)."""
+        if self._snapshot_task is not None:
+            self._snapshot_task.cancel()
+            self._snapshot_task = None
+        w = self.cfg.warmup
+        if w.enabled and w.snapshot_interval > 0:
+            self._snapshot_task = self._spawn(self._snapshots(w.snapshot_interval))
+
+    async def _snapshots(self, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
             await asyncio.sleep(interval)
+            if self._warm_pending is None:
+                continue  # the list of the last run is not read yet: not written over
             pages = await warmup.snapshot_async(self.tiers.index, self._warm_limit())
+            pages = warmup.merge(pages, self._warm_pending or [], self._warm_limit())
             try:
                 await loop.run_in_executor(None, warmup.save, self._warm_path(), pages)
             except OSError as e:
                 log.warning("could not write the warm list %s: %s", self._warm_path(), e)
-            interval = self.cfg.warmup.snapshot_interval
 
     def _save_warm_list(self) -> None:
-        if not self.cfg.warmup.enabled or self.tiers is None or not self._serving:
-            return  # a start-up that failed (say, another daemon on the socket) must not touch its list
+        if not self.cfg.warmup.enabled or self.tiers is None or self._warm_pending is None:
+            # A start-up that failed (another daemon on the socket, the metrics port taken) or a stop before
+            # the list was read must not touch the list.
+            return
         pages = warmup.snapshot(self.tiers.index, self._warm_limit())
+        pages = warmup.merge(pages, self._warm_pending, self._warm_limit())
         try:
             warmup.save(self._warm_path(), pages)
             log.info("warm list of %d pages written to %s", len(pages), self._warm_path())
@@ -205,10 +234,11 @@ class Daemon:
             log.info("received SIGHUP: reloading %s", self.config_path)
             self._spawn(self.reload())
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _watchdog(self, interval: float) -> None:
         # The ping comes from a coroutine on the event loop: a loop that is stuck stops pinging, and
@@ -263,6 +293,9 @@ class Daemon:
             self.tiers.counters["backend.swaps"] += 1
         else:
             self._apply(p.config)
+        was, now = old.warmup, self.cfg.warmup
+        if (was.enabled, was.snapshot_interval) != (now.enabled, now.snapshot_interval):
+            self._follow_snapshot_interval()
         if p.restart:
             log.warning("reload: %s changed but need a restart; kept as they were", ", ".join(p.restart))
         self.reloads["ok"] += 1

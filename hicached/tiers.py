@@ -90,6 +90,9 @@ class Tiers:
         self._l3_epoch = self.backend.epoch  # the store that entries' in_l3 refers to
         self.backend.on_attach = self._attached
         self.backend.on_detach = self._detached
+        self.attached = asyncio.Event()  # set while a backend is attached (the warmup waits for one)
+        if connector is not None:
+            self.attached.set()
         # (namespace, key) of pages that left L2 while in L3, most recent last; bounded.
         self.known_in_l3: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self.index.on_remove = self._removed
@@ -161,6 +164,7 @@ class Tiers:
 
     def _attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
+        self.attached.set()
         self.known_in_l3.clear()  # what the previous backend held says nothing about this one
         # Another store (not the same one re-attached): pages that reached the old store are not known to
         # be in this one. They stay clean and evictable (a swap does not copy L2 into the new store, nor
@@ -184,6 +188,7 @@ class Tiers:
     def _detached(self) -> None:
         """No backend: nothing can be written, so dirty pages stop holding their slots (they are backed up
         when a backend attaches again)."""
+        self.attached.clear()
         for entry in [e for e in self.index.entries.values() if e.dirty]:
             entry.dirty = False
             self.index.update(entry)

@@ -19,6 +19,7 @@ import msgpack
 
 from .index import READY, PageIndex
 from .keys import valid_key, valid_namespace
+from .slabs import slot_size
 
 log = logging.getLogger("hicached.warmup")
 
@@ -68,6 +69,25 @@ def _take(entries: list, limit_bytes: int) -> list[WarmPage]:
     return out
 
 
+def merge(first: list[WarmPage], rest: list[WarmPage], limit_bytes: int) -> list[WarmPage]:
+    """`first` (a snapshot of L2) and the pages of `rest` (a warm list not yet replayed) that it lacks,
+    pinned ones of both first, up to `limit_bytes` of slots: a stop before the replay is done must not
+    lose the rest of the list."""
+    if not rest:
+        return first
+    seen = {(p.ns, p.key) for p in first}
+    extra = [p for p in rest if (p.ns, p.key) not in seen]
+    ordered = [p for p in first if p.pinned] + [p for p in extra if p.pinned]
+    ordered += [p for p in first if not p.pinned] + [p for p in extra if not p.pinned]
+    out, total = [], 0
+    for p in ordered:
+        total += slot_size(p.page_bytes)
+        if total > limit_bytes:
+            break
+        out.append(p)
+    return out
+
+
 def save(path: str, pages: list[WarmPage]) -> None:
     """Write the warm list atomically (temporary file, then rename). Blocking: run it in a thread."""
     body = msgpack.packb(
@@ -107,10 +127,14 @@ def load(path: str, max_bytes: int = 1 << 30) -> list[WarmPage]:
 
 
 async def warm(tiers, pages: list[WarmPage], limit_bytes: int) -> int:
-    """Prefetch `pages` into L2 (tiers: hicached.tiers.Tiers); returns how many arrived."""
+    """Prefetch `pages` into L2 (tiers: hicached.tiers.Tiers); returns how many arrived. The pages end up
+    in L2's LRU in the order they had: the first of the list (the most recently used) the last evicted."""
     done, total, arrived = 0, 0, 0
     todo = []
+    warmed = []
     for p in pages:
+        if slot_size(p.page_bytes) > tiers.cfg.pool.slab_size:
+            continue  # pool.slab_size was lowered since the list was written: no slot can hold it
         known = tiers.namespaces.setdefault(p.ns, p.page_bytes)
         if known != p.page_bytes:
             continue
@@ -132,9 +156,16 @@ async def warm(tiers, pages: list[WarmPage], limit_bytes: int) -> int:
             for e in entries:
                 if e.state == READY and tiers.index.live(e):
                     arrived += 1
+                    warmed.append(e)
                     if pinned:
                         tiers.pin_entry(e)
             done += len(keys)
+    # They came in most recently used first: file them back the other way, giving the loop a turn now and
+    # then (a large pool holds many).
+    for i, e in enumerate(reversed(warmed), 1):
+        tiers.index.touch(e)
+        if i % 20000 == 0:
+            await asyncio.sleep(0)
     tiers.counters["warmup.pages"] += arrived
     log.info("warmup: %d of %d pages brought back from L3", arrived, len(todo))
     return arrived

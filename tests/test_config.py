@@ -567,3 +567,36 @@ def test_check_config_missing_file_exits_2(tmp_path: Path) -> None:
     r = _check_config(tmp_path / "absent.toml")
     assert r.returncode == 2
     assert "does not exist" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "backend, change, live, swap",
+    [
+        ("file", {"pool": {"capacity": "2GiB"}}, False, False),  # restart-only: reported, kept
+        ("file", {"storage": {"file": {"root": "/elsewhere"}}}, True, True),
+        ("file", {"storage": {"operation_timeout": "3s"}}, True, True),
+        ("file", {"storage": {"retry": {"attempts": 9}}}, True, False),  # the backup's own backoff
+        ("redis", {"storage": {"retry": {"attempts": 9}}}, True, True),  # redis-py's client retries
+        ("file", {"storage": {"redis": {"prefix": "other"}}}, True, False),  # not the configured backend
+    ],
+)
+def test_reload_plan_applies_live_keys_and_rebuilds_the_backend_when_its_options_change(
+    backend: str, change: dict, live: bool, swap: bool
+) -> None:
+    from config.diff import plan
+
+    old = from_dict({"storage": {"backend": backend}})
+    merged: dict = {"storage": {"backend": backend}}
+    for section, values in change.items():
+        merged.setdefault(section, {}).update(values)
+    p = plan(old, from_dict(merged))
+    assert bool(p.live) == live and bool(p.restart) != live
+    assert p.swap_backend == swap
+    if not live:  # the restart-only key keeps its running value
+        assert flatten_value(p.config, p.restart[0]) == flatten_value(old, p.restart[0])
+
+
+def flatten_value(cfg: Config, key: str) -> Any:
+    from config.diff import flatten
+
+    return flatten(cfg)[key]

@@ -347,6 +347,21 @@ def test_ctl_status_and_stats(daemon):
     assert out.returncode == 1 and "no hicached daemon" in out.stderr
 
 
+def test_ctl_flush_that_did_not_finish_exits_1(daemon_factory):
+    # Regression: `ctl flush` (and `ctl drain`) answered flushed: false with exit status 0, so a script
+    # that flushes before taking the node down went on with pages not in L3.
+    d = daemon_factory({"storage": {"write_policy": "write_back"}, "shutdown": {"flush_timeout": "1ms"}})
+    keys, pages = keys_for(17, 200), make_pages(17, 200)
+    with Client(d.socket, "flush.ns", PAGE) as c:
+        store_all(c, keys, pages)
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "ctl", "--socket", d.socket, "--json", "flush"],
+        capture_output=True,
+        text=True,
+    )
+    assert json.loads(out.stdout)["flushed"] is False and out.returncode == 1
+
+
 def test_msgpack_answers_are_small():
     # Page bytes never travel on the socket: an alloc answer for 64 keys is offsets only.
     ans = {"id": 1, "status": [0] * 64, "offsets": [1 << 30] * 64}
