@@ -10,9 +10,12 @@ are pinned again.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import os
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import msgpack
@@ -38,35 +41,62 @@ class WarmPage:
 
 
 def snapshot(index: PageIndex, limit_bytes: int) -> list[WarmPage]:
-    """Pages worth warming, in the order to warm them: pinned, then most recently used first."""
-    ordered = [e for e in index.entries.values() if e.pinned]
-    for lru in index.lru_lists():
-        ordered.extend(reversed(lru.values()))
-    return _take(ordered, limit_bytes)
+    """Pages worth warming, in the order to warm them: pinned, then most recently used first, each page
+    size keeping its share of the list (see _by_share)."""
+    pinned = [e for e in index.entries.values() if e.pinned]
+    mru_first = [list(reversed(lru.values())) for lru in index.lru_lists()]
+    return _take(itertools.chain(pinned, _by_share(mru_first)), limit_bytes)
 
 
 async def snapshot_async(index: PageIndex, limit_bytes: int, step: int = 20000) -> list[WarmPage]:
     """The same, giving the event loop a turn every `step` pages (a large pool holds many)."""
     pinned = [e for e in list(index.entries.values()) if e.pinned]
-    ordered = list(pinned)
+    mru_first = []
     for lru in index.lru_lists():
         values = list(lru.values())
-        for i in range(len(values), 0, -step):
-            ordered.extend(reversed(values[max(0, i - step) : i]))
-            await asyncio.sleep(0)
-    return _take(ordered, limit_bytes)
+        await asyncio.sleep(0)
+        values.reverse()
+        mru_first.append(values)
+    merged = itertools.chain(pinned, _by_share(mru_first))
+    out: list[WarmPage] = []
+    total = 0
+    while chunk := list(itertools.islice(merged, step)):
+        got, total, full = _take_more(chunk, limit_bytes, total)
+        out += got
+        if full:
+            break
+        await asyncio.sleep(0)
+    return out
 
 
-def _take(entries: list, limit_bytes: int) -> list[WarmPage]:
-    out, total = [], 0
+def _by_share(lists: list[list]) -> Iterator:
+    """The size classes' LRU lists (most recent first) merged so that a cut anywhere keeps the same share
+    of each: the j-th of a list of n sits at (j + 0.5) / n. L2 keeps no time of use across classes, and
+    one class after another would cut the last class's pages however recently they were used."""
+    return (e for _, _, e in heapq.merge(*(_ranked(c, lst) for c, lst in enumerate(lists))))
+
+
+def _ranked(c: int, lst: list) -> Iterator[tuple[float, int, object]]:
+    n = len(lst)
+    return (((j + 0.5) / n, c, e) for j, e in enumerate(lst))
+
+
+def _take(entries: Iterable, limit_bytes: int) -> list[WarmPage]:
+    return _take_more(entries, limit_bytes, 0)[0]
+
+
+def _take_more(entries: Iterable, limit_bytes: int, total: int) -> tuple[list[WarmPage], int, bool]:
+    """The ready pages of `entries` in L3 while the slots they take, with `total` before them, fit in
+    `limit_bytes`: (those pages, the new total, whether the limit was reached)."""
+    out = []
     for e in entries:
         if e.state != READY or not e.in_l3:
             continue
         total += e.cls.slot_bytes
         if total > limit_bytes:
-            break
+            return out, total, True
         out.append(WarmPage(e.ns, e.key, e.size, e.pinned))
-    return out
+    return out, total, False
 
 
 def merge(first: list[WarmPage], rest: list[WarmPage], limit_bytes: int) -> list[WarmPage]:

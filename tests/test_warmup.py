@@ -199,3 +199,21 @@ async def test_reload_starts_and_stops_the_warm_list_snapshots(tmp_path):
         assert warm_list.stat().st_mtime_ns == mtime
     finally:
         await stop(d)
+
+
+async def test_a_warm_list_cut_keeps_each_page_size_its_share(tmp_path):
+    # Regression: the classes' LRU lists were joined one after the other, so a full pool's list (cut at
+    # warmup.max_fraction) dropped the pages of the last class, however recently they were used.
+    path = write_config(tmp_path)
+    with open(path, "a") as f:
+        f.write("max_fraction = 0.4\n")  # [warmup] is the last section
+    d = await start(path)
+    a = [f"a{i:063x}" for i in range(150)]  # 64 KiB pages
+    b = [f"b{i:063x}" for i in range(256)]  # 4 KiB pages
+    await fill(d, "model-a", a, page_bytes=64 << 10)
+    await fill(d, "model-b", b)
+    await stop(d)
+    listed = load(str(tmp_path / "state" / "warm.msgpack"))
+    kept = {ns: sum(p.ns == ns for p in listed) / n for ns, n in (("model-a", 150), ("model-b", 256))}
+    assert 0.3 < kept["model-a"] < 1 and 0.3 < kept["model-b"] < 1  # the list was cut, in both
+    assert abs(kept["model-a"] - kept["model-b"]) < 0.1
