@@ -121,7 +121,7 @@ def describe(
         if memory.is_cuda:
             fd = None
             offset = memory.storage_offset() * memory.element_size()
-            fields = {"kind": "cuda", "offset": offset, "nbytes": nbytes, "cuda": cuda_fields(memory)}
+            fields = {"kind": "cuda", "offset": offset, "nbytes": nbytes}  # its IPC fields last (below)
         else:
             found = _find_shared(memory.data_ptr(), nbytes)
             if found is None:
@@ -146,7 +146,19 @@ def describe(
         if num_pages <= 0:
             raise HicachedError(BAD_REQUEST, f"the region ({nbytes} bytes) does not hold one whole page")
     fields.update(page_bytes=page_bytes, num_pages=num_pages)
+    if fields["kind"] == "cuda":
+        # Last, once nothing here can refuse the region: exporting takes a reference that only the daemon
+        # (or release_cuda_fields) gives back, and until then torch never frees the tensor's memory.
+        fields["cuda"] = cuda_fields(memory)
     return fields, fd
+
+
+def release_cuda_fields(cuda: dict[str, Any]) -> None:
+    """Give back the reference that exporting took (cuda_fields), for a region the daemon refused: torch
+    keeps an exported block out of its allocator until every reference is given back."""
+    import torch
+
+    torch.UntypedStorage._release_ipc_counter_cuda(cuda["ref_counter_handle"], cuda["ref_counter_offset"])
 
 
 class SideAttach(dict):
@@ -211,7 +223,14 @@ class RegionOps:
     ) -> Op:
         fields, fd = describe(memory, page_bytes, segments, num_pages)
         if fd is None:
-            ans = yield {"op": "region_attach", **fields}
+            try:
+                ans = yield {"op": "region_attach", **fields}
+            except HicachedError as e:
+                # An answer says the daemon holds no mapping; without one (connection, time-out) it may
+                # still open the handle, and the reference stays its to give back.
+                if e.code not in (CONNECTION, TIMEOUT):
+                    release_cuda_fields(fields["cuda"])
+                raise
         else:
             req = SideAttach(op="region_attach", token=self.token, **fields)
             req.fd = fd

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -164,6 +165,18 @@ def copy_pages(
     return p.nbytes
 
 
+def take_last_error() -> None:
+    """Clear this thread's last CUDA runtime error. torch's cudart bindings hand cudaHostRegister's error
+    back without clearing it, and torch checks every kernel launch with cudaGetLastError(): the next launch
+    on this thread (a gather for a store) would fail with it. A launch here takes it instead."""
+    import torch
+
+    try:
+        torch.ones(1, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    except RuntimeError:
+        pass
+
+
 Done = Callable[[Any, str | None], None]
 
 
@@ -188,8 +201,16 @@ class _Device(threading.Thread):
     def run(self) -> None:
         import torch
 
-        torch.cuda.set_device(self.index)
-        stream = torch.cuda.Stream(device=self.index)
+        try:
+            torch.cuda.set_device(self.index)  # creates the device's context: can fail (memory, compute mode)
+            stream = torch.cuda.Stream(device=self.index)
+        except Exception as e:
+            why = f"CUDA device {self.index} could not be set up in the daemon: {type(e).__name__}: {e}"
+            log.error("%s; its regions are refused", why)
+            while (item := self.jobs.get()) is not None:  # answer every job, or its request waits forever
+                item[1](None, why)
+                item = None
+            return
         tracker = self.owner.tracker
         while True:
             item = self.jobs.get()
@@ -202,11 +223,16 @@ class _Device(threading.Thread):
             try:
                 with torch.cuda.stream(stream):
                     result = fn(self)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"  # a string: a traceback would pin the region's tensor
+            try:
+                # Also after a failure: copies the job issued before it failed may still run, and the
+                # answer gives their slots (aborted store, released lease) and pages back at once.
                 event = torch.cuda.Event()
                 event.record(stream)
                 event.synchronize()
             except Exception as e:
-                error = f"{type(e).__name__}: {e}"  # a string: a traceback would pin the region's tensor
+                error = error or f"{type(e).__name__}: {e}"
             tracker.end(jid, result if isinstance(result, int) else 0, error is None)
             done(result, error)
             fn = done = result = None  # drop references to the region before waiting for the next job
@@ -256,6 +282,7 @@ class CudaCopier:
                         int(err),
                     )
                     self._unpin()
+                    take_last_error()
                     return
                 self._pinned.append(ptr + off)
             log.info("pinned the L2 pool (%d bytes) for CUDA copies", size)
@@ -294,6 +321,15 @@ class CudaCopier:
                 BAD_REQUEST,
                 f"offset + nbytes ({offset + nbytes}) is past the end of the CUDA storage "
                 f"({f['storage_bytes']} bytes)",
+            )
+        counter = "/dev/shm/" + f["ref_counter_handle"].decode(errors="replace").lstrip("/")
+        if not os.access(counter, os.R_OK | os.W_OK):
+            # torch gives the export's reference back from here when the region goes, in a file its owner
+            # made 0600: without access the engine's allocator never gets the tensor's memory back.
+            log.warning(
+                "cannot update the engine's CUDA IPC reference count (%s): once unregistered and freed, "
+                "this region's GPU memory stays reserved in the engine (run the daemon as its user)",
+                counter,
             )
 
         def open_ipc(d: _Device) -> Any:

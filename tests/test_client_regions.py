@@ -76,3 +76,57 @@ def test_describe_segments_and_fds():
     with pytest.raises(HicachedError) as e:
         describe(fd, PAGE, None, None)
     assert e.value.code == "bad_request"
+
+
+class FakeCudaTensor:
+    """What describe() reads of a CUDA tensor (exporting it is faked too: no GPU here)."""
+
+    is_cuda = True
+
+    def data_ptr(self):
+        return 1 << 20
+
+    def is_contiguous(self):
+        return True
+
+    def numel(self):
+        return 1 << 16
+
+    def element_size(self):
+        return 1
+
+    def storage_offset(self):
+        return 0
+
+
+def test_a_refused_cuda_region_gives_its_export_reference_back(monkeypatch):
+    from hicached import client_regions
+    from hicached.client_regions import RegionOps
+    from hicached.errors import CONNECTION, UNSUPPORTED
+
+    exported, released = [], []
+
+    def fields(tensor):
+        exported.append(tensor)
+        return {"ref_counter_handle": b"/torch_1_2_0", "ref_counter_offset": len(exported)}
+
+    monkeypatch.setattr(client_regions, "cuda_fields", fields)
+    monkeypatch.setattr(client_regions, "release_cuda_fields", released.append)
+    ops = RegionOps()
+    ops.regions = {}
+    # Refused before export: nothing to give back.
+    with pytest.raises(HicachedError):
+        next(ops.op_register_region(FakeCudaTensor(), 1 << 17, None, None))  # not one whole page
+    assert exported == []
+    # Refused by the daemon (here: no CUDA there): the reference it never took is given back.
+    op = ops.op_register_region(FakeCudaTensor(), 4096, None, None)
+    assert next(op)["op"] == "region_attach"
+    with pytest.raises(HicachedError):
+        op.throw(HicachedError(UNSUPPORTED, "CUDA regions are not supported here"))
+    assert released == [{"ref_counter_handle": b"/torch_1_2_0", "ref_counter_offset": 1}]
+    # No answer: the daemon may still open it, and gives the reference back itself.
+    op = ops.op_register_region(FakeCudaTensor(), 4096, None, None)
+    next(op)
+    with pytest.raises(HicachedError):
+        op.throw(HicachedError(CONNECTION, "the daemon went away"))
+    assert len(released) == 1 and ops.regions == {}

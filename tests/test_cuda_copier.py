@@ -162,3 +162,115 @@ async def test_cuda_region_on_an_unknown_device_is_refused():
     finally:
         await asyncio.to_thread(c.close)
         pool.close()
+
+
+# The device thread with torch.cuda faked on CPU: what it answers when its device cannot be set up, and
+# that a failed job still waits for the copies it issued.
+
+
+class FakeStream:
+    """A stream with copies in flight until someone waits for it."""
+
+    made: list[FakeStream] = []
+
+    def __init__(self, device=None):
+        self.pending = 0
+        FakeStream.made.append(self)
+
+    def synchronize(self):
+        self.pending = 0
+
+
+class FakeEvent:
+    def record(self, stream):
+        self.stream = stream
+
+    def synchronize(self):
+        self.stream.pending = 0
+
+
+def fake_cuda(monkeypatch, set_device=lambda index: None):
+    import contextlib
+
+    FakeStream.made = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: None)  # nothing pinned: close() unpins nothing
+
+
+async def test_a_device_that_cannot_be_set_up_answers_its_jobs(monkeypatch):
+    from hicached.copier import Tracker
+
+    def no_context(index):
+        raise RuntimeError("CUDA error: out of memory")  # the daemon's context cannot be created
+
+    fake_cuda(monkeypatch, no_context)
+    pool = Pool(1 << 20, prefault=False)
+    c = cuda_copier.CudaCopier(pool, Tracker())
+    try:
+        for _ in range(2):  # and the next one: the thread keeps answering
+            with pytest.raises(HicachedError) as e:
+                await asyncio.wait_for(c._call(0, lambda d: 1), 5)
+            assert "CUDA device 0 could not be set up" in e.value.message
+            assert "out of memory" in e.value.message
+    finally:
+        await asyncio.to_thread(c.close)
+        pool.close()
+
+
+async def test_a_failed_cuda_job_is_answered_after_its_copies_ended(monkeypatch):
+    from hicached.copier import Batch, Tracker
+
+    fake_cuda(monkeypatch)
+    pool = Pool(1 << 20, prefault=False)
+    c = cuda_copier.CudaCopier(pool, Tracker())
+    seen = {}
+
+    def job(d):
+        FakeStream.made[0].pending += 1  # a first chunk's copies, issued
+        raise RuntimeError("CUDA out of memory")  # then a later chunk failed
+
+    batch = Batch(asyncio.get_running_loop(), 1)
+
+    def done(result, error):
+        seen["in_flight"] = FakeStream.made[0].pending
+        batch.job_done(error)
+
+    try:
+        c._device(0).jobs.put((job, done))
+        with pytest.raises(HicachedError) as e:
+            await asyncio.wait_for(batch.future, 5)
+        assert e.value.code == "copy_failed" and "out of memory" in e.value.message
+        # The answer aborts the store's slots (or releases the load's lease): no copy may still run on them.
+        assert seen["in_flight"] == 0
+    finally:
+        await asyncio.to_thread(c.close)
+        pool.close()
+
+
+def test_a_failed_pin_takes_the_error_it_left(monkeypatch):
+    from hicached.copier import Tracker
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append("register")
+            return 2  # cudaErrorMemoryAllocation: also this thread's last error now
+
+        def cudaHostUnregister(self, ptr):
+            calls.append("unregister")
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(cuda_copier, "take_last_error", lambda: calls.append("take"))
+    pool = Pool(1 << 20, prefault=False)
+    try:
+        c = cuda_copier.CudaCopier(pool, Tracker())
+        c.ensure_pinned()
+        assert calls == ["register", "take"] and c._pinned == []
+        c.host = None
+    finally:
+        pool.close()
