@@ -228,6 +228,9 @@ class FileConnector(Connector):
         self._enforcing = asyncio.Lock()
         self._janitor: asyncio.Task[None] | None = None
         self._stop = threading.Event()  # stops a scan still running in its thread after close()
+        # When the temporary files of a crash that the last scan found too young to remove (a restart soon
+        # after it) turn stale (time.time()); the janitor scans again then. None: none seen.
+        self._leftovers_due: float | None = None
         # Scans walk the whole tree: on a thread of their own, so that they never hold up page I/O.
         self._scan_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicached-file-janitor")
 
@@ -387,18 +390,29 @@ class FileConnector(Connector):
                 if failing:
                     log.info("file: the janitor scans %s again", self.root)
                 failing = False
+            due = None if failing else self._leftovers_due
             if not self._max_bytes:
-                return  # no bound: the first scan (the count, crash leftovers) is all there is to do
+                if due is None:
+                    return  # no bound: the first scan (the count, crash leftovers) is all there is to do
+                # Temporary files of a crash too young to remove yet: scan again once they are stale.
+                await asyncio.sleep(max(0.0, due - time.time()))
+                continue
             if failing or (self._stored > self._max_bytes and not evicted):
                 # Over, yet nothing could be removed: wait an interval rather than scan again on every put.
                 await asyncio.sleep(self._janitor_interval)
                 continue
-            # Under the bound: wait for a put that crosses it, looking at the estimate every interval too.
-            # Still over after removing pages: new pages came in meanwhile, so go again at once.
+            # Under the bound: wait for a put that crosses it, looking at the estimate every interval too,
+            # or for crash leftovers to turn stale. Still over after removing pages: new pages came in
+            # meanwhile, so go again at once.
             while self._stored <= self._max_bytes:
+                wait = self._janitor_interval
+                if due is not None:
+                    if time.time() >= due:
+                        break
+                    wait = min(wait, due - time.time())
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._janitor_interval):
+                    async with asyncio.timeout(wait):
                         await self._wake.wait()
 
     async def put(
@@ -882,10 +896,10 @@ class FileConnector(Connector):
         """One janitor run: (pages removed, their bytes, stale temporary files removed); None if stopped."""
         with self._stored_lock:
             before = self._stored
-        scanned = file_janitor.scan(self.root, stop, collect=self._max_bytes > 0)
+        scanned = file_janitor.scan(self.root, stop, collect=self._max_bytes > 0, own_tag=self._tmp_tag)
         if scanned is None:
             return None
-        total, pages, stale = scanned
+        total, pages, stale, self._leftovers_due = scanned
         evicted = freed = 0
         if self._max_bytes and total > self._max_bytes:
             pages.sort()

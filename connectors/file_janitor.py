@@ -12,12 +12,16 @@ STALE_TMP_S = 600.0  # a temporary file this old belongs to a write that died wi
 
 
 def scan(
-    root: str, stop: threading.Event, collect: bool
-) -> tuple[int, list[tuple[float, int, int, str]], int] | None:
+    root: str, stop: threading.Event, collect: bool, own_tag: str = ""
+) -> tuple[int, list[tuple[float, int, int, str]], int, float | None] | None:
     """Walks root/namespace/ab/cd: the bytes of the page files, with `collect` each page's (last use,
-    size, inode, path), and how many stale temporary files it removed. None if `stop` was set."""
+    size, inode, path), how many stale temporary files it removed, and when the oldest temporary file
+    that is not stale yet will be (None if none), leaving out this daemon's own writes in flight (names
+    with `own_tag`): a crash followed by a quick restart leaves files that only a later scan can remove.
+    None if `stop` was set."""
     total = stale = 0
     pages: list[tuple[float, int, int, str]] = []
+    young: float | None = None
     now = time.time()
     for shard in shards(root):
         if stop.is_set():
@@ -30,9 +34,13 @@ def scan(
                             continue
                         st = entry.stat(follow_symlinks=False)
                         if entry.name.startswith("."):  # a write's temporary file (keys never start so)
-                            if entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_S:
-                                os.unlink(entry.path)
-                                stale += 1
+                            if entry.name.endswith(".tmp"):
+                                if now - st.st_mtime > STALE_TMP_S:
+                                    os.unlink(entry.path)
+                                    stale += 1
+                                elif not (own_tag and _written_by(entry.name, own_tag)):
+                                    due = st.st_mtime + STALE_TMP_S
+                                    young = due if young is None else min(young, due)
                             continue
                     except (FileNotFoundError, NotADirectoryError):
                         continue  # removed or renamed since listed
@@ -42,7 +50,14 @@ def scan(
                         pages.append((max(st.st_atime, st.st_mtime), st.st_size, st.st_ino, entry.path))
         except (FileNotFoundError, NotADirectoryError):
             continue
-    return total, pages, stale
+    return total, pages, stale, young
+
+
+def _written_by(name: str, tag: str) -> bool:
+    """Whether temporary file `name` (".{key}.{tag}{seq}.tmp", the C path's "{tag}c{seq}") is a write of the
+    daemon whose tag is `tag`."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[1].startswith(tag)
 
 
 def shards(root: str) -> Iterator[str]:

@@ -62,6 +62,10 @@ class Backup:
         # anyway (0: not at all); Tiers sets it while engines are busy (storage.backup_defer).
         self.defer: Callable[[], float] = lambda: 0.0
         self._workers: list[asyncio.Task[None]] = []
+        # Pages given up after the attempts (not in L3, no longer held for it): a flush queues them again,
+        # since the backend may take them now (a disk freed), and answers False while any is left. Bounded
+        # by L2: Tiers drops a page from here when it leaves L2.
+        self.abandoned: set[Entry] = set()
 
     @property
     def pending(self) -> int:
@@ -198,6 +202,7 @@ class Backup:
                     if good:  # re-filed (evictable now) when _write releases its lease
                         e.dirty = False
                         e.in_l3 = True
+                        self.abandoned.discard(e)
                         nbytes += e.size
                     else:
                         failed.append(e)
@@ -221,6 +226,7 @@ class Backup:
                 for e in todo:
                     e.dirty = False
                     self.index.update(e)
+                self.abandoned.update(todo)
                 return
             self.counters["backup.retries"] += 1
             await asyncio.sleep(self.backoff.delay(attempt))

@@ -186,7 +186,13 @@ class Daemon:
                 if dirty:
                     log.info("writing %d pages not yet in L3 before exit (up to %.0fs)", dirty, timeout)
                 if not await self.tiers.flush_dirty(timeout):
-                    log.error("shutdown: %d pages did not reach L3 in time", self.tiers.backup.pending)
+                    log.error(
+                        "shutdown: %d pages did not reach L3 (%d still queued at shutdown.flush_timeout, %d "
+                        "refused by the backend)",
+                        self.tiers.not_in_l3(),
+                        self.tiers.backup.pending,
+                        len(self.tiers.backup.abandoned),
+                    )
             await self.tiers.stop()
             self._save_warm_list()
             await self.tiers.backend.close()
@@ -369,11 +375,20 @@ class Daemon:
                 return {"draining": False}
             self.server.draining = True
             ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
-            return {"draining": True, "flushed": ok, "backup_pending": self.tiers.backup.pending}
+            return {
+                "draining": True,
+                "flushed": ok,
+                "backup_pending": self.tiers.backup.pending,
+                "not_in_l3": self.tiers.not_in_l3(),
+            }
 
         async def flush(session, req) -> dict:
             ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
-            return {"flushed": ok, "backup_pending": self.tiers.backup.pending}
+            return {
+                "flushed": ok,
+                "backup_pending": self.tiers.backup.pending,
+                "not_in_l3": self.tiers.not_in_l3(),
+            }
 
         return {
             "reload": reload,

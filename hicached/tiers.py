@@ -148,6 +148,8 @@ class Tiers:
 
     def _removed(self, entries: list[Entry]) -> None:
         """Remembers which pages leaving L2 are in L3 (it runs for the pages a full pool evicts)."""
+        if self.backup.abandoned:
+            self.backup.abandoned.difference_update(entries)
         bound = self.cfg.storage.known_in_l3_keys
         if bound <= 0:
             return
@@ -221,11 +223,25 @@ class Tiers:
             self.backup.submit_many(list(self.index.dirty.values()))
 
     async def flush_dirty(self, timeout: float) -> bool:
-        """Queue every dirty page for L3 and wait for the queue to drain (shutdown, drain)."""
+        """Queue every dirty page for L3, and the pages an earlier backup gave up on (the backend may take
+        them now: a disk freed), and wait for the queue to drain (shutdown, drain). True only when every
+        one of them reached L3: none was still queued at `timeout`, none was given up again."""
         if self.connector is None:
             return not self.index.dirty
+        for entry in self.backup.abandoned:
+            if self.index.live(entry) and entry.state == READY and not entry.in_l3 and not entry.dirty:
+                entry.dirty = True
+                self.index.update(entry)
+        self.backup.abandoned.clear()
+        failed = self.counters["backup.failed"]
         self.backup.submit_many(list(self.index.dirty.values()))
-        return await self.backup.drain(timeout)
+        drained = await self.backup.drain(timeout)
+        return drained and self.counters["backup.failed"] == failed
+
+    def not_in_l3(self) -> int:
+        """Pages acknowledged to engines that are not known to be in L3 after a flush: still queued or
+        being written, or given up by the backup."""
+        return self.backup.pending + len(self.backup.abandoned)
 
     # Sessions.
 

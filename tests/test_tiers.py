@@ -145,6 +145,39 @@ async def test_backup_gives_up_after_attempts_and_counts(tmp_path):
         await close_tiers(t)
 
 
+class RefusingFile(FileConnector):
+    """The real file connector on a full disk: while `full`, every page of a put is refused (as ENOSPC is),
+    without the call failing."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.full = True
+
+    async def put(self, namespace, keys, payloads, checksums=None):
+        if self.full:
+            return [False] * len(keys)
+        return await super().put(namespace, keys, payloads, checksums)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_flush_reports_pages_given_up_and_writes_them_once_the_backend_takes_them(tmp_path, policy):
+    refusing = RefusingFile(cfg_for(tmp_path))
+    t = await make_tiers(tmp_path, connector=refusing, write_policy=policy)
+    try:
+        s = session(t)
+        write(t, s, ["a", "b", "c"])
+        # A full disk: the flush gives the pages up after the attempts; it must not say they are in L3.
+        assert not await t.flush_dirty(10)
+        assert t.counters["backup.failed"] == 3 and t.not_in_l3() == 3
+        # Space freed: the next flush writes the pages given up before, and says so.
+        refusing.full = False
+        assert await t.flush_dirty(10)
+        assert t.not_in_l3() == 0 and t.counters["backup.pages"] == 3
+        assert sum(1 for p in (tmp_path / "data" / "ns1").rglob("*") if p.is_file()) == 3
+    finally:
+        await close_tiers(t)
+
+
 async def test_already_in_l3_is_not_written_again(tmp_path):
     t = await make_tiers(tmp_path)
     try:
