@@ -16,6 +16,7 @@ import numpy as np
 from .errors import BAD_REQUEST, HicachedError
 
 MAX_SEGMENTS = 4096  # per page: a model with 128 layers and K and V halves needs 256
+MAX_REGION_BYTES = 1 << 62  # the overlap test computes in int64; no region comes near this
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def parse_geometry(req: dict[str, Any], region_bytes: int) -> Geometry:
             off = _int(seg[0], f"segments[{j}].offset", 0)
             length = _int(seg[1], f"segments[{j}].length", 1)
             stride = _int(seg[2], f"segments[{j}].stride", 1)
+            if stride > MAX_REGION_BYTES:
+                raise _bad(f"segments[{j}].stride ({stride}) is larger than any region")
             if stride < length:
                 # Segment j of page i and of page i+1 would overlap: a load would race with itself.
                 raise _bad(f"segments[{j}].stride ({stride}) is smaller than its length ({length})")
@@ -146,12 +149,9 @@ def parse_geometry(req: dict[str, Any], region_bytes: int) -> Geometry:
         total = sum(s.length for s in segments)
         if total != page_bytes:
             raise _bad(f"segments: lengths add up to {total} bytes, but page_bytes is {page_bytes}")
-        clash = _overlap(segments, num_pages)
-        if clash is not None:
-            j, k = clash
-            # Two pages (or one page twice) would share bytes: a load writes into a page it was not asked to.
-            raise _bad(f"segments[{j}] and segments[{k}] overlap (in one page or in two pages)")
-    geom = Geometry(page_bytes, num_pages, segments)
+    if region_bytes > MAX_REGION_BYTES:
+        raise _bad(f"a region of {region_bytes} bytes is larger than any memory ({MAX_REGION_BYTES} at most)")
+    # Before the overlap test, whose arithmetic is in int64: every offset it meets is then within the region.
     for j, s in enumerate(segments):
         end = s.offset + (num_pages - 1) * s.stride + s.length
         if end > region_bytes:
@@ -160,7 +160,12 @@ def parse_geometry(req: dict[str, Any], region_bytes: int) -> Geometry:
                 f"{what}: page {num_pages - 1} ends at byte {end}, past the end of the region "
                 f"({region_bytes} bytes)"
             )
-    return geom
+    clash = _overlap(segments, num_pages)
+    if clash is not None:
+        j, k = clash
+        # Two pages (or one page twice) would share bytes: a load writes into a page it was not asked to.
+        raise _bad(f"segments[{j}] and segments[{k}] overlap (in one page or in two pages)")
+    return Geometry(page_bytes, num_pages, segments)
 
 
 def check_pages(value: Any, geom: Geometry, n_keys: int, unique: bool) -> list[int]:

@@ -286,7 +286,9 @@ class RegionService:
         todo = [i for i, st in enumerate(status) if st == ALLOC_WRITE]
         if not todo:
             return {"ok": result}
-        written = [keys[i] for i in todo]
+        # Out of the engine's reach until the copy ended: an abort, commit or hello meanwhile would free
+        # the slots (or make them evictable) while the copy still writes into them.
+        held = self.tiers.hold_writing(s, [keys[i] for i in todo])
         try:
             fut = self._start_copy(s, region, True, [pages[i] for i in todo], [offsets[i] for i in todo])
             # Shielded: a cancelled request (its connection closed) must not forget a copy still running.
@@ -294,10 +296,11 @@ class RegionService:
         except asyncio.CancelledError:
             raise  # the connection closed: its slots go once the copy has ended (close_session)
         except BaseException:
-            self.tiers.abort(s, written)
+            self.tiers.abort_held(s, held)
             raise
-        for i, good in zip(todo, self.tiers.commit(s, written), strict=True):
-            result[i] = bool(good)
+        self.tiers.commit_held(s, held)
+        for i in todo:
+            result[i] = True
         self.counters["store_pages"] += len(todo)
         return {"ok": result}
 

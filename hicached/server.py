@@ -274,6 +274,13 @@ class Server:
             answer = protocol.error_answer(rid, BAD_REQUEST, f"unreadable region_attach frame: {e}")
         except TimeoutError:
             answer = protocol.error_answer(rid, BAD_REQUEST, "region_attach frame incomplete in time")
+        except OSError:
+            raise  # the socket failed: nobody to answer (_admit logs it)
+        except Exception as e:  # a bug: answered as on an engine connection, not by closing in silence
+            log.exception("internal error answering region_attach on a side connection")
+            answer = protocol.error_answer(
+                rid, INTERNAL, f"internal error in region_attach: {type(e).__name__}: {e}"
+            )
         finally:
             for fd in fds:
                 os.close(fd)

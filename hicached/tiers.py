@@ -67,6 +67,9 @@ class Session:
     leases: dict[int, list[Entry]] = field(default_factory=dict)
     writing: dict[str, Entry] = field(default_factory=dict)
     reserved: dict[int, Entry] = field(default_factory=dict)  # offset -> slot set aside for its stores
+    # Slots the daemon copies a store_pages into: out of reach of the engine's commit, abort and hello, which
+    # would give them away while the copy still writes them; committed or aborted by the copy's request.
+    copying: set[Entry] = field(default_factory=set)
     handles: dict[int, Handle] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     # hicached.regions.SessionRegions once the connection registers a memory region.
@@ -277,6 +280,11 @@ class Tiers:
         s.writing.clear()
 
     def close_session(self, s: Session) -> None:
+        """Called once no copy of the connection runs any more (RegionService.close_session)."""
+        for entry in s.copying:  # the daemon's own copy into them has ended
+            self.index.unlease(entry)
+            self.index.remove(entry)
+        s.copying.clear()
         for entries in s.leases.values():
             self.index.unlease_all(entries)
         s.leases.clear()
@@ -295,7 +303,8 @@ class Tiers:
         n = len(keys)
         status, offsets = [ALLOC_PRESENT] * n, [-1] * n
         through = self.connector is not None and not self.write_back
-        room = self.backup.queue_pages - self.backup.pending - len(s.writing) if through else n
+        held = len(s.writing) + len(s.copying)
+        room = self.backup.queue_pages - self.backup.pending - held if through else n
         get = self.index.ns_entries(s.ns).get
         want: list[int] = []  # positions that get a slot
         first: dict[str, int] = {}  # key -> its first position, for a key asked twice
@@ -353,6 +362,30 @@ class Tiers:
         self.backup.submit_many(backup)
         self._after_stores()
         return out
+
+    def hold_writing(self, s: Session, keys: list[str]) -> list[Entry]:
+        """The slots alloc just gave `keys` (all different), taken out of the engine's reach while the daemon
+        copies into them (store_pages): commit_held or abort_held ends them, or close_session."""
+        entries = [s.writing.pop(key) for key in keys]
+        s.copying.update(entries)
+        return entries
+
+    def commit_held(self, s: Session, entries: list[Entry]) -> None:
+        """commit() of slots from hold_writing, whose copy ended."""
+        backup = []
+        for entry in entries:
+            s.copying.discard(entry)
+            if self._stored(entry):
+                backup.append(entry)
+        self.backup.submit_many(backup)
+        self._after_stores()
+
+    def abort_held(self, s: Session, entries: list[Entry]) -> None:
+        """abort() of slots from hold_writing whose copy failed (or never started)."""
+        for entry in entries:
+            s.copying.discard(entry)
+            self.index.unlease(entry)
+            self.index.remove(entry)
 
     def _stored(self, entry: Entry) -> bool:
         """A page whose bytes the engine has written (leased while it did) becomes ready. True when it
@@ -418,7 +451,8 @@ class Tiers:
                     self.index.touch(entry)
                 status.append(PUT_PRESENT)
                 continue
-            if through and self.backup.pending + len(backup) + len(s.writing) >= self.backup.queue_pages:
+            held = len(backup) + len(s.writing) + len(s.copying)
+            if through and self.backup.pending + held >= self.backup.queue_pages:
                 self.counters["store.busy"] += 1
                 status.append(PUT_BUSY)
                 continue

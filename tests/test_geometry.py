@@ -87,6 +87,49 @@ def test_geometry_past_the_end_of_the_region():
     assert "at most" in bad({"page_bytes": MAX_SEGMENTS + 1, "num_pages": 1, "segments": many})
 
 
+@pytest.mark.parametrize(
+    "req, region_bytes, needle",
+    [
+        # strides past int64, in segments that the overlap test (numpy, int64) has to compare
+        (
+            {
+                "page_bytes": 8192,
+                "num_pages": 8,
+                "segments": [[0, 4096, 1 << 63], [4096, 4096, (1 << 63) - 1]],
+            },
+            65536,
+            "larger than any region",
+        ),
+        (
+            {"page_bytes": 8192, "num_pages": 1, "segments": [[0, 4096, 1 << 64], [2048, 4096, 1 << 63]]},
+            65536,
+            "larger than any region",
+        ),
+        (
+            {
+                "page_bytes": 8192,
+                "num_pages": (1 << 64) - 1,
+                "segments": [[0, 4096, 8192], [4096, 4096, 16384]],
+            },
+            65536,
+            "past the end of the region",
+        ),
+        # a region as large as a CUDA request may claim: its extent check alone would let these through
+        (
+            {
+                "page_bytes": 8192,
+                "num_pages": 2,
+                "segments": [[0, 4096, 1 << 61], [4096, 4096, (1 << 61) + 1]],
+            },
+            (1 << 64) - 1,
+            "larger than any memory",
+        ),
+    ],
+)
+def test_huge_numbers_are_refused_not_overflowed(req, region_bytes, needle):
+    assert needle in bad(req, region_bytes)
+
+
 def test_check_pages():
     g = Geometry(4096, 10, (Segment(0, 4096, 4096),))
     assert check_pages([0, 9, 3], g, 3, unique=True) == [0, 9, 3]

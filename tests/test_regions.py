@@ -223,6 +223,54 @@ async def test_a_closed_connection_gives_back_nothing_before_its_copy_ends(tmp_p
         await stop(d)
 
 
+@pytest.mark.parametrize(
+    "meanwhile",
+    [
+        {"op": "abort"},
+        {"op": "commit"},
+        {"op": "hello", "namespace": "other.ns", "page_bytes": PAGE},
+    ],
+)
+async def test_the_engine_cannot_take_back_the_slots_of_a_store_pages_copy(tmp_path, monkeypatch, meanwhile):
+    """An abort (or commit, or hello) of keys whose store_pages copy still ran freed their slots (or made
+    them evictable) under the copy: another connection got them, and the copy wrote over its pages."""
+    release = threading.Event()
+    real = copier_mod.copy_ranges
+
+    def slow(*args):
+        release.wait(10)
+        real(*args)
+
+    def raw(req):
+        def op():
+            return (yield req)
+
+        return op()
+
+    d = await start(tmp_path)
+    try:
+        async with AsyncClient(d.server.path, "hold.ns", PAGE) as c:
+            buf = filled(8 * PAGE, seed=5)
+            h = await c.register_region(buf, PAGE)
+            monkeypatch.setattr(copier_mod, "copy_ranges", slow)
+            keys = keys_for("hold", 8)
+            store = asyncio.ensure_future(c.store_pages(h, list(range(8)), keys))
+            await wait_for(lambda: d.server.regions.copier.stats()["jobs_running"] == 1)
+            req = {**meanwhile, "keys": keys} if meanwhile["op"] != "hello" else meanwhile
+            ans = await c._run(raw(req))
+            assert ans.get("n", 0) == 0 and not any(ans.get("ok", []))  # nothing of the copy's to abort
+            assert d.tiers.index.stats()["writing"] == 8  # the slots stay with the copy
+            release.set()
+            assert await store == [True] * 8
+            if meanwhile["op"] == "hello":
+                await c._run(raw({"op": "hello", "namespace": "hold.ns", "page_bytes": PAGE}))
+            assert await c.get(keys) == [bytes(buf[i * PAGE : (i + 1) * PAGE].numpy()) for i in range(8)]
+        await wait_for(lambda: d.tiers.index.stats()["leased"] == 0)
+    finally:
+        release.set()
+        await stop(d)
+
+
 def _sealed_memfd(nbytes: int, seals: int = SEALS) -> int:
     fd = os.memfd_create("test-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
@@ -284,6 +332,36 @@ async def test_side_connection_refusals(tmp_path):
             assert (await c.status())["regions"] == 1
             h2 = await c.register_region(fd, PAGE)  # an fd the engine sealed itself
             assert await c.store_pages(h2, [3], ["fd000000"]) == [True]
+    finally:
+        os.close(fd)
+        await stop(d)
+
+
+async def test_a_side_connection_gets_an_answer_even_from_a_bug(tmp_path, monkeypatch):
+    """An unexpected exception while registering (huge segment numbers once overflowed numpy's int64)
+    closed the side connection without an answer; it is answered `internal`, like an engine request."""
+    d = await start(tmp_path)
+    fd = _sealed_memfd(4 * PAGE)
+
+    async def broken(*args):
+        raise OverflowError("Python int too large to convert to C long")
+
+    try:
+        async with AsyncClient(d.server.path, "bug.ns", PAGE) as c:
+            monkeypatch.setattr(d.server.regions, "attach", broken)
+            req = SideAttach(
+                token=c._ops.token,
+                op="region_attach",
+                kind="host",
+                offset=0,
+                nbytes=4 * PAGE,
+                page_bytes=PAGE,
+                num_pages=4,
+            )
+            req.fd = fd
+            with pytest.raises(HicachedError) as e:
+                await asyncio.to_thread(side_attach, _connect, d.server.path, req, 10.0)
+            assert e.value.code == "internal" and "OverflowError" in e.value.message
     finally:
         os.close(fd)
         await stop(d)
