@@ -199,10 +199,13 @@ class Backup:
                     continue  # written to a store swapped out meanwhile: write them to the new one
                 failed, nbytes = [], 0
                 for e, good in zip(todo, ok, strict=True):
-                    if good:  # re-filed (evictable now) when _write releases its lease
+                    if good:
                         e.dirty = False
                         e.in_l3 = True
                         self.abandoned.discard(e)
+                        # Out of the dirty count now, not when the last lease goes: an engine may hold the
+                        # page past our lease. Evictable once _write gives that back (and any other lease).
+                        self.index.update(e)
                         nbytes += e.size
                     else:
                         failed.append(e)

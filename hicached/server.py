@@ -371,10 +371,10 @@ class Server:
             n = t.exists_l2(s, ks)
             if n is not None:
                 return {"n": n}
-            return _exists_l3(s, ks)
+            return _exists_l3(t.exists(s, ks))  # taken now: of the request's namespace, not a later hello's
 
-        async def _exists_l3(s: Session, ks: list[str]) -> dict:
-            return {"n": await t.exists(s, ks)}
+        async def _exists_l3(pending: Awaitable[int]) -> dict:
+            return {"n": await pending}
 
         def alloc(s: Session, req: dict[str, Any]) -> dict:
             status, offsets = t.alloc(s, keys(s, req))
@@ -402,10 +402,11 @@ class Server:
             if ks is not None:
                 lease, offsets = t.acquire_ready(s, ks)
                 return {"lease": lease, "offsets": offsets}
-            return _acquire(s, keys(s, req), arg(req, "fetch", bool, True))
+            # Taken now: in the namespace of the request, not of a hello sent after it.
+            return _acquire(t.acquire(s, keys(s, req), arg(req, "fetch", bool, True)))
 
-        async def _acquire(s: Session, ks: list[str], fetch: bool) -> dict:
-            lease, offsets = await t.acquire(s, ks, fetch)
+        async def _acquire(pending: Awaitable[tuple[int, list[int]]]) -> dict:
+            lease, offsets = await pending
             return {"lease": lease, "offsets": offsets}
 
         def release(s: Session, req: dict[str, Any]) -> dict:

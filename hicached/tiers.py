@@ -11,7 +11,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -497,13 +497,18 @@ class Tiers:
             return n
         return None
 
-    async def exists(self, s: Session, keys: list[str]) -> int:
-        n = len(self._leading_l2(s.ns, keys))
+    def exists(self, s: Session, keys: list[str]) -> Coroutine[Any, Any, int]:
+        """Leading hits in L2 then L3, in the session's namespace as it is now, when the request is taken:
+        the coroutine may first run after a hello that the engine sent next (hicached.server)."""
+        return self._exists(s.ns, keys)
+
+    async def _exists(self, ns: str, keys: list[str]) -> int:
+        n = len(self._leading_l2(ns, keys))
         self.counters["lookup.l2_hits"] += n
         if n < len(keys) and self.connector is not None:
             rest = keys[n:]
             try:
-                more = await self.backend.call("exists", lambda c: c.exists(s.ns, rest))
+                more = await self.backend.call("exists", lambda c: c.exists(ns, rest))
             except BackendError as e:
                 self.counters[f"lookup.l3_errors.{e.reason}"] += 1
                 more = 0
@@ -533,17 +538,21 @@ class Tiers:
         s.leases[lease] = entries
         return lease, [e.offset for e in entries]
 
-    async def acquire(self, s: Session, keys: list[str], fetch: bool) -> tuple[int, list[int]]:
+    def acquire(self, s: Session, keys: list[str], fetch: bool) -> Coroutine[Any, Any, tuple[int, list[int]]]:
         """Leases the leading pages present in L2 (reading missing ones from L3 first when `fetch`);
-        returns a lease id and their offsets."""
+        returns a lease id and their offsets. In the session's namespace as it is now, when the request is
+        taken: the coroutine may first run after a hello that the engine sent next (hicached.server)."""
+        return self._acquire(s, s.ns, s.page_bytes, keys, fetch)
+
+    async def _acquire(
+        self, s: Session, ns: str, page_bytes: int, keys: list[str], fetch: bool
+    ) -> tuple[int, list[int]]:
         self.last_engine_io = time.monotonic()
-        entries = self._leading_l2(s.ns, keys)
+        entries = self._leading_l2(ns, keys)
         self.index.lease_all(entries)
         self.prefetcher.merge(entries)
         if fetch and len(entries) < len(keys):
-            entries += self.prefetcher.fetch(
-                s.ns, keys[len(entries) :], s.page_bytes, LOAD_PRIORITY, lease=True
-            )
+            entries += self.prefetcher.fetch(ns, keys[len(entries) :], page_bytes, LOAD_PRIORITY, lease=True)
         try:
             await self._settle(entries, self.cfg.server.request_timeout)
         except BaseException:  # the connection went away while we waited: give the leases back
@@ -552,7 +561,7 @@ class Tiers:
         n = self._leading_ready(entries)
         self.index.unlease_all(entries[n:])
         self.counters["load.pages"] += n
-        self.counters["load.bytes"] += n * s.page_bytes
+        self.counters["load.bytes"] += n * page_bytes
         self.counters["load.misses"] += len(keys) > n
         if n == 0:
             return 0, []
@@ -575,24 +584,34 @@ class Tiers:
             )
         handle = next(s.ids)
         h = s.handles[handle] = Handle([])
-        self._place(s, handle, h, keys, 0, priority, self.prefetcher.request())
+        self._place(s, s.ns, s.page_bytes, handle, h, keys, 0, priority, self.prefetcher.request())
         return handle
 
     def _place(
-        self, s: Session, handle: int, h: Handle, keys: list[str], start: int, priority: int, req
+        self,
+        s: Session,
+        ns: str,
+        page_bytes: int,
+        handle: int,
+        h: Handle,
+        keys: list[str],
+        start: int,
+        priority: int,
+        req,
     ) -> None:
         """Places keys[start:start + PREFETCH_STEP] of a prefetch (L2 hits leased, misses queued for
-        reading), and the next step on the next turn of the loop, until a key cannot be placed."""
+        reading), and the next step on the next turn of the loop, until a key cannot be placed. Every step
+        is of the namespace the prefetch was asked in (`ns`), whatever hello the connection sent since."""
         if s.handles.get(handle) is not h:  # waited on already, or its connection closed
             self._placed(h)
             return
         step = keys[start : start + PREFETCH_STEP]
-        entries = self._leading_l2(s.ns, step)
+        entries = self._leading_l2(ns, step)
         self.index.lease_all(entries)
         self.prefetcher.merge(entries)
         if len(entries) < len(step):
             entries += self.prefetcher.fetch(
-                s.ns, step[len(entries) :], s.page_bytes, priority, req, start + len(entries), lease=True
+                ns, step[len(entries) :], page_bytes, priority, req, start + len(entries), lease=True
             )
         h.entries += entries
         nxt = start + len(step)
@@ -600,7 +619,8 @@ class Tiers:
             loop = asyncio.get_running_loop()
             if h.placed is None:
                 h.placed = loop.create_future()
-            loop.call_soon(self._place_next, h, lambda: self._place(s, handle, h, keys, nxt, priority, req))
+            place = lambda: self._place(s, ns, page_bytes, handle, h, keys, nxt, priority, req)  # noqa: E731
+            loop.call_soon(self._place_next, h, place)
         else:
             self._placed(h)
 

@@ -746,6 +746,64 @@ async def test_dirty_pages_are_counted_as_they_change(tmp_path):
             await close_tiers(t)
 
 
+async def test_a_page_backed_up_while_an_engine_holds_it_is_no_longer_counted_dirty(tmp_path):
+    # Found by the model test (tests/test_index_model.py): the backup cleared `dirty` but the count followed
+    # only when the last lease went, so stats and the dirty-pages metric over-counted while a load held it.
+    t = await make_tiers(tmp_path)
+    try:
+        s = session(t)
+        assert write(t, s, ["k"]) == [True]
+        assert t.index.stats()["dirty"] == 1
+        lease, _ = await t.acquire(s, ["k"], fetch=False)  # leased before its backup runs
+        assert await t.backup.drain(10)
+        assert t.counters["backup.pages"] == 1 and not t.index.get("ns1", "k").dirty
+        assert t.index.dirty_pages == 0 and t.index.stats()["dirty"] == 0
+        t.release(s, lease)
+        entry = t.index.get("ns1", "k")
+        assert entry.in_lru and t.index.dirty_pages == 0  # evictable once let go
+    finally:
+        await close_tiers(t)
+
+
+async def test_requests_taken_before_a_hello_answer_for_their_own_namespace(tmp_path):
+    # Found by the model test: the server runs acquire and exists as tasks, which used to read the session's
+    # namespace when they first ran: after a hello that the engine pipelined behind them, they leased pages
+    # (or counted keys) of the other namespace. They now take the namespace when the request is taken.
+    t = await make_tiers(tmp_path, connector=None)
+    try:
+        a, b = session(t, "nsA"), session(t, "nsB")
+        assert write(t, a, ["k"], fill=1) == [True]
+        assert write(t, b, ["k", "k2"], fill=2) == [True, True]
+        acquiring = t.acquire(a, ["k"], fetch=True)  # as the server's handler makes it: not run yet
+        counting = t.exists(a, ["k", "k2"])
+        h = t.prefetch(a, ["k"], 0)
+        t.hello(a, "nsB", PAGE)  # pipelined behind them
+        lease, offsets = await acquiring
+        assert offsets == [t.index.get("nsA", "k").offset]
+        assert bytes(t.pool.view[offsets[0] : offsets[0] + PAGE]) == bytes([1]) * PAGE
+        assert await counting == 1  # nsA has k only
+        assert await t.wait(a, h, 0) == 1
+        t.release(a, lease)
+    finally:
+        await close_tiers(t)
+
+
+async def test_prefetch_steps_after_a_hello_stay_in_the_prefetchs_namespace(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiers_mod, "PREFETCH_STEP", 1)
+    t = await make_tiers(tmp_path, connector=None)
+    try:
+        a, b = session(t, "nsA"), session(t, "nsB")
+        assert write(t, a, ["k1", "k2"]) == [True, True]
+        assert write(t, b, ["k1", "k2"]) == [True, True]
+        h = t.prefetch(a, ["k1", "k2"], 0)  # k2 is placed on the next turn of the loop
+        t.hello(a, "nsB", PAGE)
+        await asyncio.sleep(0)
+        assert await t.wait(a, h, 5) == 2  # both of nsA, not k1 of nsA then k2 of nsB
+        assert all(not e.leases for e in t.index.entries.values())
+    finally:
+        await close_tiers(t)
+
+
 async def test_hello_to_another_namespace_lets_go_of_slots_being_written(tmp_path):
     t = await make_tiers(tmp_path)
     try:
