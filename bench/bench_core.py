@@ -427,8 +427,11 @@ def echo_server(path: str) -> None:
                 self.transport.write(len(body).to_bytes(4, "big") + body)
 
     async def main() -> None:
-        await asyncio.get_running_loop().create_unix_server(Echo, path)
-        await asyncio.Event().wait()
+        # Held for as long as it serves: a server object nothing refers to may be collected, and its
+        # listening socket closed with it.
+        server = await asyncio.get_running_loop().create_unix_server(Echo, path)
+        async with server:
+            await server.serve_forever()
 
     uvloop.run(main())
 
