@@ -310,14 +310,15 @@ class RegionService:
         if not offsets:
             return {"n": 0}
         n = len(offsets)
+        self.tiers.hold_lease(s, lease)  # an engine's release of it meanwhile would free slots under the copy
         try:
             await asyncio.shield(self._start_copy(s, region, False, pages[:n], offsets))
         except asyncio.CancelledError:
             raise  # the connection closed: its lease goes once the copy has ended (close_session)
         except BaseException:
-            self.tiers.release(s, lease)
+            self.tiers.release_held(s, lease)
             raise
-        self.tiers.release(s, lease)
+        self.tiers.release_held(s, lease)
         self.counters["load_pages"] += n
         return {"n": n}
 

@@ -70,6 +70,9 @@ class Session:
     # Slots the daemon copies a store_pages into: out of reach of the engine's commit, abort and hello, which
     # would give them away while the copy still writes them; committed or aborted by the copy's request.
     copying: set[Entry] = field(default_factory=set)
+    # Leases of the pages a load_pages copies out of, by lease id: out of reach of the engine's release,
+    # which would let the slots be reused while the copy still reads them.
+    loading: dict[int, list[Entry]] = field(default_factory=dict)
     handles: dict[int, Handle] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     # hicached.regions.SessionRegions once the connection registers a memory region.
@@ -285,6 +288,9 @@ class Tiers:
             self.index.unlease(entry)
             self.index.remove(entry)
         s.copying.clear()
+        for entries in s.loading.values():
+            self.index.unlease_all(entries)
+        s.loading.clear()
         for entries in s.leases.values():
             self.index.unlease_all(entries)
         s.leases.clear()
@@ -568,6 +574,14 @@ class Tiers:
         lease = next(s.ids)
         s.leases[lease] = entries[:n]
         return lease, [e.offset for e in entries[:n]]
+
+    def hold_lease(self, s: Session, lease: int) -> None:
+        """Takes lease `lease` (just granted by acquire) out of the engine's reach while the daemon copies
+        out of its pages (load_pages): release_held ends it, or close_session."""
+        s.loading[lease] = s.leases.pop(lease)
+
+    def release_held(self, s: Session, lease: int) -> None:
+        self.index.unlease_all(s.loading.pop(lease))
 
     def release(self, s: Session, lease: int) -> None:
         entries = s.leases.pop(lease, None)

@@ -441,3 +441,46 @@ async def test_a_side_connection_that_goes_away_mid_frame_leaks_nothing(tmp_path
     finally:
         os.close(fd)
         await stop(d)
+
+
+async def test_the_engine_cannot_release_the_lease_of_a_load_pages_copy(tmp_path, monkeypatch):
+    """Lease ids are a counter per connection: a release of the one a load_pages copy held (a guess, or a
+    bug) let its slots be reused while the copy still read them, and the load was answered not_found."""
+    release = threading.Event()
+    real = copier_mod.copy_ranges
+
+    def slow(*args):
+        release.wait(10)
+        real(*args)
+
+    def raw(req):
+        def op():
+            return (yield req)
+
+        return op()
+
+    d = await start(tmp_path)
+    try:
+        async with AsyncClient(d.server.path, "hold.ns", PAGE) as c:
+            pages = [bytes(filled(PAGE, seed=i).numpy()) for i in range(4)]
+            keys = keys_for("lease", 4)
+            assert await c.store(keys, pages) == [True] * 4
+            buf = filled(4 * PAGE, seed=9)
+            h = await c.register_region(buf, PAGE)
+            monkeypatch.setattr(copier_mod, "copy_ranges", slow)
+            load = asyncio.ensure_future(c.load_pages(h, list(range(4)), keys))
+            await wait_for(lambda: d.server.regions.copier.stats()["jobs_running"] == 1)
+            session = next(iter(d.server.connections)).session
+            assert not session.leases and len(session.loading) == 1  # held apart from the engine's leases
+            (lease,) = session.loading
+            with pytest.raises(HicachedError) as e:
+                await c._run(raw({"op": "release", "lease": lease}))
+            assert e.value.code == "not_found"
+            assert d.tiers.index.stats()["leased"] == 4  # the copy still holds its pages
+            release.set()
+            assert await load == 4
+            assert [bytes(buf[i * PAGE : (i + 1) * PAGE].numpy()) for i in range(4)] == pages
+        await wait_for(lambda: d.tiers.index.stats()["leased"] == 0)
+    finally:
+        release.set()
+        await stop(d)
