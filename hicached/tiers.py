@@ -284,10 +284,7 @@ class Tiers:
 
     def close_session(self, s: Session) -> None:
         """Called once no copy of the connection runs any more (RegionService.close_session)."""
-        for entry in s.copying:  # the daemon's own copy into them has ended
-            self.index.unlease(entry)
-            self.index.remove(entry)
-        s.copying.clear()
+        self.abort_held(s, list(s.copying))  # the daemon's own copy into them has ended
         for entries in s.loading.values():
             self.index.unlease_all(entries)
         s.loading.clear()
@@ -450,6 +447,7 @@ class Tiers:
         through = self.connector is not None and not self.write_back
         status = []
         backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
+        held = len(s.writing) + len(s.copying)  # slots of this connection on their way to the queue too
         for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
             entry = self.index.get(s.ns, key)
             if entry is not None:
@@ -457,8 +455,7 @@ class Tiers:
                     self.index.touch(entry)
                 status.append(PUT_PRESENT)
                 continue
-            held = len(backup) + len(s.writing) + len(s.copying)
-            if through and self.backup.pending + held >= self.backup.queue_pages:
+            if through and self.backup.pending + len(backup) + held >= self.backup.queue_pages:
                 self.counters["store.busy"] += 1
                 status.append(PUT_BUSY)
                 continue

@@ -77,6 +77,22 @@ async def wait_for(pred, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def held_copies(release: threading.Event):
+    """copier.copy_ranges that waits for `release` (at most 10 s) before it copies: a copy still running."""
+    real = copier_mod.copy_ranges
+
+    def slow(*args):
+        release.wait(10)
+        real(*args)
+
+    return slow
+
+
+def raw(req: dict):
+    """An operation for AsyncClient._run that sends `req` as it is and returns the daemon's answer."""
+    return (yield req)
+
+
 def region_of(d: Daemon, handle: int):
     (conn,) = d.server.connections
     return conn.session.regions.regions[handle]
@@ -117,13 +133,6 @@ async def test_async_client_segmented_round_trip(tmp_path):
 
 async def test_refusals_on_the_engine_connection(tmp_path):
     d = await start(tmp_path, max_per_connection=2, max_bytes_per_connection=8 * PAGE)
-
-    def raw(req):
-        def op():
-            return (yield req)
-
-        return op()
-
     try:
         async with AsyncClient(d.server.path, "refuse.ns", PAGE) as c:
             host = {"op": "region_attach", "kind": "host", "nbytes": PAGE, "page_bytes": PAGE, "num_pages": 1}
@@ -235,17 +244,7 @@ async def test_the_engine_cannot_take_back_the_slots_of_a_store_pages_copy(tmp_p
     """An abort (or commit, or hello) of keys whose store_pages copy still ran freed their slots (or made
     them evictable) under the copy: another connection got them, and the copy wrote over its pages."""
     release = threading.Event()
-    real = copier_mod.copy_ranges
-
-    def slow(*args):
-        release.wait(10)
-        real(*args)
-
-    def raw(req):
-        def op():
-            return (yield req)
-
-        return op()
+    slow = held_copies(release)
 
     d = await start(tmp_path)
     try:
@@ -447,17 +446,7 @@ async def test_the_engine_cannot_release_the_lease_of_a_load_pages_copy(tmp_path
     """Lease ids are a counter per connection: a release of the one a load_pages copy held (a guess, or a
     bug) let its slots be reused while the copy still read them, and the load was answered not_found."""
     release = threading.Event()
-    real = copier_mod.copy_ranges
-
-    def slow(*args):
-        release.wait(10)
-        real(*args)
-
-    def raw(req):
-        def op():
-            return (yield req)
-
-        return op()
+    slow = held_copies(release)
 
     d = await start(tmp_path)
     try:
