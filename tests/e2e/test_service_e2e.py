@@ -217,6 +217,20 @@ def test_unit_file_verifies():
     assert not problems, out.stderr
 
 
+def test_unit_stop_timeout_covers_the_shipped_configs_longest_stop():
+    """systemd kills a daemon still stopping at TimeoutStopSec: with config/hicached.toml, a stop may
+    answer requests in flight for up to server.request_timeout, then flush for shutdown.flush_timeout."""
+    import config
+
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "config")
+    unit = open(os.path.join(here, "hicached.service")).read()
+    stop = re.search(r"^TimeoutStopSec=(\d+)s$", unit, re.M)
+    assert stop is not None, "the unit sets TimeoutStopSec in seconds"
+    cfg = config.load(os.path.join(here, "hicached.toml"))
+    longest = min(cfg.server.request_timeout, cfg.shutdown.flush_timeout) + cfg.shutdown.flush_timeout
+    assert int(stop.group(1)) > longest
+
+
 def test_socket_activation(tmp_path):
     """A listening socket handed over as systemd does (fd 3, LISTEN_FDS, LISTEN_PID) is served, and left
     in place at exit: it belongs to the service manager."""
