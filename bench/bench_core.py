@@ -10,7 +10,6 @@ import argparse
 import collections
 import contextlib
 import hashlib
-import mmap
 import os
 import platform
 import shutil
@@ -36,6 +35,7 @@ from connectors.file import FileConnector, default_io_threads
 from connectors.header import HEADER_SIZE
 from hicached.client import Client
 from hicached.client_ops import _copy_pages as copy_pages  # None where connectors._pageio is not built
+from hicached.pool import map_memfd
 
 MiB = 1 << 20
 BATCH = 32  # pages per store/load call
@@ -92,11 +92,12 @@ def drop_files(root: Path, ns: str, keys: Sequence[str]) -> None:
 
 
 def shared_mapping(nbytes: int) -> np.ndarray:
-    """A memfd mapped MAP_SHARED and prefaulted for writing, as the L2 pool is."""
+    """A memfd mapped MAP_SHARED and prefaulted for writing, as the L2 pool is (hicached.pool.map_memfd: in
+    2 MiB pages too, where the node's shmem_enabled allows them)."""
     fd = os.memfd_create("hicached-bench", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        mm = map_memfd(fd, nbytes, True, "the raw mapping")
     finally:
         os.close(fd)
     arr = np.frombuffer(mm, dtype=np.uint8)

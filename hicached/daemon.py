@@ -19,7 +19,7 @@ from . import warmup
 from .errors import BAD_REQUEST, HicachedError
 from .metrics import MetricsServer
 from .notify import Notifier, watchdog_interval
-from .pool import Pool
+from .pool import Pool, available_memory, check_capacity
 from .server import Server
 from .tiers import Tiers
 
@@ -64,7 +64,16 @@ class Daemon:
         if self.should_exit is None:
             self.should_exit = asyncio.Event()
         cfg = self.cfg
-        self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
+        try:
+            short = check_capacity(cfg.pool.capacity, cfg.pool.prefault, available_memory())
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        if short:
+            log.warning("%s", short)
+        try:
+            self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
+        except MemoryError as e:
+            raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
         self.tiers = Tiers(cfg, self.pool, None)
         self.tiers.start()

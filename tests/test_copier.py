@@ -74,9 +74,13 @@ async def test_round_trip_through_the_pool(pool):
 async def test_large_request_is_cut_across_threads(pool, monkeypatch):
     seen: set[str] = set()
     real = copier_mod.copy_ranges
+    # Each job waits for the other to start: they must run at once, on two threads (and the executor,
+    # which starts threads lazily, must not hand the second job to a thread that has finished the first).
+    both = threading.Barrier(2, timeout=30)
 
     def spy(*args):
         seen.add(threading.current_thread().name)
+        both.wait()
         real(*args)
 
     monkeypatch.setattr(copier_mod, "copy_ranges", spy)

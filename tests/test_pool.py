@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicached.pool import SEALS, Pool, check_sealed_fd
+from hicached.pool import SEALS, Pool, available_memory, check_capacity, check_sealed_fd
 
 SIZE = 1 << 20
 
@@ -202,3 +202,122 @@ def test_check_sealed_fd_refuses_a_fd_that_is_not_a_memfd() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+GiB = 1 << 30
+
+
+def _node(tmp_path, mem_available_kib: int | None, cgroup: str | None, limits: dict[str, tuple[str, int]]):
+    """Fake /proc/meminfo, /proc/self/cgroup and a cgroup v2 tree: limits maps a cgroup path to
+    (memory.max, memory.current)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    meminfo = tmp_path / "meminfo"
+    lines = ["MemTotal:       99999999 kB"]
+    if mem_available_kib is not None:
+        lines.append(f"MemAvailable:   {mem_available_kib} kB")
+    meminfo.write_text("\n".join(lines) + "\n")
+    self_cgroup = tmp_path / "cgroup"
+    self_cgroup.write_text(f"0::{cgroup}\n" if cgroup is not None else "")
+    root = tmp_path / "fs"
+    for path, (limit, current) in limits.items():
+        d = root / path.strip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.max").write_text(limit + "\n")
+        (d / "memory.current").write_text(f"{current}\n")
+    return {"meminfo": str(meminfo), "cgroup_root": str(root), "self_cgroup": str(self_cgroup)}
+
+
+def test_available_memory_is_memavailable_without_a_cgroup_limit(tmp_path) -> None:
+    paths = _node(tmp_path, 8 * 1024 * 1024, "/system.slice/hicached.service", {"/system.slice": ("max", 0)})
+    assert available_memory(**paths) == (8 * GiB, "MemAvailable in /proc/meminfo")
+
+
+def test_the_tightest_cgroup_above_the_process_bounds_the_memory_left(tmp_path) -> None:
+    limits = {
+        "/system.slice/hicached.service": (str(6 * GiB), 1 * GiB),  # 5 GiB left here
+        "/system.slice": (str(10 * GiB), 7 * GiB),  # 3 GiB left for the whole slice: the tightest
+        "/": ("max", 0),
+    }
+    paths = _node(tmp_path, 64 * 1024 * 1024, "/system.slice/hicached.service", limits)
+    assert available_memory(**paths) == (3 * GiB, "memory.max of cgroup /system.slice")
+
+
+def test_available_memory_unknown_and_a_cgroup_over_its_limit(tmp_path) -> None:
+    assert available_memory(**_node(tmp_path / "a", None, None, {})) is None
+    over = _node(tmp_path / "b", None, "/c", {"/c": (str(GiB), 2 * GiB)})
+    assert available_memory(**over) == (0, "memory.max of cgroup /c")
+
+
+def test_check_capacity_refuses_a_prefaulted_pool_that_does_not_fit() -> None:
+    left = (4 * GiB, "MemAvailable in /proc/meminfo")
+    with pytest.raises(ValueError, match=r"pool.capacity is 5.0 GiB but only 4.0 GiB .*lower pool.capacity"):
+        check_capacity(5 * GiB, True, left)
+    assert "may run out" in check_capacity(5 * GiB, False, left)  # allocated as it fills: a warning
+    assert "more than 90%" in check_capacity(int(3.8 * GiB), True, left)
+    assert check_capacity(2 * GiB, True, left) is None
+    assert check_capacity(1 << 50, True, None) is None  # nothing known: no opinion
+
+
+def _shmem_kib() -> int:
+    """Shared memory this process has faulted in."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_prefault_allocates_every_page_and_without_it_none() -> None:
+    shmem_kib = _shmem_kib
+    before = shmem_kib()
+    p = Pool(32 << 20, prefault=True)
+    try:
+        assert shmem_kib() - before >= 32 << 10
+    finally:
+        p.close()
+    before = shmem_kib()
+    q = Pool(32 << 20, prefault=False)
+    try:
+        assert shmem_kib() - before < 1 << 10
+    finally:
+        q.close()
+
+
+def test_prefault_falls_back_to_touching_pages_on_kernels_without_populate(monkeypatch) -> None:
+    import hicached.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "MADV_POPULATE_WRITE", 0x7FFF)  # unknown advice: EINVAL, as before 5.14
+    before = _shmem_kib()
+    p = Pool(8 << 20, prefault=True)
+    try:
+        assert _shmem_kib() - before >= 8 << 10
+        assert p.size == 8 << 20 and not any(p.view[:: 1 << 12])
+    finally:
+        p.close()
+
+
+def _shmem_thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+@pytest.mark.skipif(
+    _shmem_thp_mode() not in ("advise", "always", "within_size"),
+    reason="this node does not give shared memory 2 MiB pages "
+    "(/sys/kernel/mm/transparent_hugepage/shmem_enabled is not advise, always or within_size)",
+)
+def test_the_pool_is_in_2mib_pages_where_the_node_allows_them() -> None:
+    def pmd_mapped_kib() -> int:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("ShmemPmdMapped:"):
+                return int(line.split()[1])
+        return 0
+
+    before = pmd_mapped_kib()
+    p = Pool(64 << 20, prefault=True)
+    try:
+        assert pmd_mapped_kib() - before >= 32 << 10  # most of it; the ends may not be 2 MiB aligned
+    finally:
+        p.close()

@@ -271,6 +271,21 @@ def test_socket_mode_and_stale_socket(daemon_factory):
     assert d.alive and d.ctl("status")["socket"] == d.socket
 
 
+def test_a_pool_larger_than_the_memory_left_is_refused_at_start(daemon_factory):
+    # 64 TiB prefaulted would have the kernel kill a process (likely an engine) to make room: the daemon
+    # refuses to start instead, before it allocates anything, and says what to change.
+    d = daemon_factory({"pool": {"capacity": "64TiB", "prefault": True}}, start=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "serve", "--config", d.config_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "pool.capacity is 65536.0 GiB but only" in out.stderr and "lower pool.capacity" in out.stderr
+    assert not os.path.exists(d.socket)
+
+
 def test_write_back_reaches_l3_on_shutdown(daemon_factory):
     d = daemon_factory({"storage": {"write_policy": "write_back"}})
     keys, pages = keys_for(9, 40), make_pages(9, 40)
