@@ -16,6 +16,7 @@ RESTART_REQUIRED = (
     "pool.capacity",
     "pool.slab_size",
     "pool.prefault",
+    "pool.memory_wait",
     "metrics.listen",
     "regions.copy_threads",
 )

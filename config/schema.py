@@ -43,6 +43,10 @@ class PoolConfig:
     # Unit of memory handed to a size class; also the largest page the pool accepts.
     slab_size: Size = 32 * MiB
     prefault: bool = True
+    # At start, a prefaulted pool larger than the memory left waits this long for memory before the daemon
+    # gives up: after a restart, engines still mapping the previous daemon's pool hold its memory until
+    # they reconnect.
+    memory_wait: Duration = 60.0
     # Write-back: when fewer than this fraction of slots are free or evictable, dirty pages are written out.
     writeback_low_watermark: float = 0.10
     # Pins keep pages in L2 across evictions; bounded so that pins cannot starve stores.

@@ -4,6 +4,7 @@ and the operator's levers on a running daemon: reload, backend attach/detach, dr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -64,12 +65,7 @@ class Daemon:
         if self.should_exit is None:
             self.should_exit = asyncio.Event()
         cfg = self.cfg
-        try:
-            short = check_capacity(cfg.pool.capacity, cfg.pool.prefault, available_memory())
-        except ValueError as e:
-            raise RuntimeError(str(e)) from None
-        if short:
-            log.warning("%s", short)
+        await self._memory_for_pool()
         try:
             self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
         except MemoryError as e:
@@ -175,6 +171,40 @@ class Daemon:
             log.info("warm list of %d pages written to %s", len(pages), self._warm_path())
         except OSError as e:
             log.warning("could not write the warm list %s: %s", self._warm_path(), e)
+
+    async def _memory_for_pool(self) -> None:
+        """Returns once the pool fits in the memory left (pool.capacity against MemAvailable and cgroup
+        limits), waiting up to pool.memory_wait for it; RuntimeError if it does not come."""
+        p = self.cfg.pool
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + p.memory_wait
+        waited = False
+        while True:
+            try:
+                short = check_capacity(p.capacity, p.prefault, available_memory())
+                break
+            except ValueError as e:
+                if self.should_exit.is_set():
+                    raise RuntimeError(f"stopped while waiting for memory for the pool: {e}") from None
+                if loop.time() >= deadline:
+                    why = f" (waited {p.memory_wait:.0f}s, pool.memory_wait)" if p.memory_wait else ""
+                    raise RuntimeError(f"{e}{why}") from None
+                if not waited:
+                    waited = True
+                    log.warning(
+                        "%s; waiting up to %.0fs for memory (pool.memory_wait): engines that still map a "
+                        "previous daemon's pool hold its memory until they reconnect",
+                        e,
+                        p.memory_wait,
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self.should_exit.wait(), min(1.0, max(0.0, deadline - loop.time()))
+                    )
+        if waited:
+            log.info("memory for the pool is free; starting")
+        if short:
+            log.warning("%s", short)
 
     async def main_loop(self) -> None:
         await self.should_exit.wait()

@@ -9,6 +9,8 @@ import logging
 import mmap
 import os
 
+from config.units import format_size
+
 log = logging.getLogger("hicached.pool")
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -63,18 +65,15 @@ def check_capacity(size: int, prefault: bool, available: tuple[int, str] | None)
     if available is None:
         return None
     left, where = available
-    gib = 1 << 30
     if size > left:
-        what = (
-            f"pool.capacity is {size / gib:.1f} GiB but only {left / gib:.1f} GiB can be allocated ({where})"
-        )
+        what = f"pool.capacity is {format_size(size)} but only {format_size(left)} can be allocated ({where})"
         if prefault:
             raise ValueError(f"{what}: lower pool.capacity, or free memory")
         return f"{what}; with pool.prefault off the pool is allocated as it fills, and may run out"
     if size > 0.9 * left:
         return (
-            f"pool.capacity ({size / gib:.1f} GiB) takes more than 90% of the memory left "
-            f"({left / gib:.1f} GiB, {where}): engines may be short of host memory"
+            f"pool.capacity ({format_size(size)}) takes more than 90% of the memory left "
+            f"({format_size(left)}, {where}): engines may be short of host memory"
         )
     return None
 

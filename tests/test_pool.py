@@ -250,7 +250,7 @@ def test_available_memory_unknown_and_a_cgroup_over_its_limit(tmp_path) -> None:
 
 def test_check_capacity_refuses_a_prefaulted_pool_that_does_not_fit() -> None:
     left = (4 * GiB, "MemAvailable in /proc/meminfo")
-    with pytest.raises(ValueError, match=r"pool.capacity is 5.0 GiB but only 4.0 GiB .*lower pool.capacity"):
+    with pytest.raises(ValueError, match=r"pool.capacity is 5.0GiB but only 4.0GiB .*lower pool.capacity"):
         check_capacity(5 * GiB, True, left)
     assert "may run out" in check_capacity(5 * GiB, False, left)  # allocated as it fills: a warning
     assert "more than 90%" in check_capacity(int(3.8 * GiB), True, left)

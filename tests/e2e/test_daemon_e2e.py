@@ -274,7 +274,7 @@ def test_socket_mode_and_stale_socket(daemon_factory):
 def test_a_pool_larger_than_the_memory_left_is_refused_at_start(daemon_factory):
     # 64 TiB prefaulted would have the kernel kill a process (likely an engine) to make room: the daemon
     # refuses to start instead, before it allocates anything, and says what to change.
-    d = daemon_factory({"pool": {"capacity": "64TiB", "prefault": True}}, start=False)
+    d = daemon_factory({"pool": {"capacity": "64TiB", "prefault": True, "memory_wait": "1s"}}, start=False)
     out = subprocess.run(
         [sys.executable, "-m", "hicached", "serve", "--config", d.config_path],
         capture_output=True,
@@ -282,7 +282,8 @@ def test_a_pool_larger_than_the_memory_left_is_refused_at_start(daemon_factory):
         timeout=60,
     )
     assert out.returncode == 1, out.stderr
-    assert "pool.capacity is 65536.0 GiB but only" in out.stderr and "lower pool.capacity" in out.stderr
+    assert "pool.capacity is 64.0TiB but only" in out.stderr and "lower pool.capacity" in out.stderr
+    assert "waiting up to 1s for memory" in out.stderr and "(waited 1s, pool.memory_wait)" in out.stderr
     assert not os.path.exists(d.socket)
 
 
