@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -118,10 +117,10 @@ def run(a: argparse.Namespace) -> None:
         requests = [tuple(x) for x in json.loads(daemon_log.read_text())]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(a, calls, events, requests)
+    report(a, bc.BATCH, calls, events, requests)
 
 
-def report(a: argparse.Namespace, calls: list, events: list, requests: list) -> None:
+def report(a: argparse.Namespace, batch: int, calls: list, events: list, requests: list) -> None:
     rows = []
     for t0, t1 in calls:
         mine = [e for e in events if t0 <= e[1] <= t1]
@@ -146,7 +145,7 @@ def report(a: argparse.Namespace, calls: list, events: list, requests: list) -> 
             }
         )
     us = 1e6
-    print(f"pages of {a.page_kib} KiB, {bc_batch()} a call; times in us from the call's start")
+    print(f"pages of {a.page_kib} KiB, {batch} a call; times in us from the call's start")
     print("  call   copy   wait | requests as the daemon read them: op(keys or slots) read-answered")
     for row in rows[-(len(rows) // a.reps) :][: a.calls]:
         reqs = "  ".join(
@@ -169,12 +168,6 @@ def report(a: argparse.Namespace, calls: list, events: list, requests: list) -> 
         print(f"  {what:48s} {statistics.median(v) * us:7.0f}  {v[int(0.9 * (len(v) - 1))] * us:7.0f}")
 
 
-def bc_batch() -> int:
-    import bench_core as bc
-
-    return bc.BATCH
-
-
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--serve":
         sys.exit(serve(sys.argv[2], sys.argv[3:]))
@@ -186,5 +179,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     main()
