@@ -121,6 +121,7 @@ class Client:
         self._orphans: dict[int, dict[str, Any]] = {}
         self._reading = False
         self._broken: str | None = None
+        self._active = 0  # calls running, in any thread
         try:
             self._run(self._ops.op_hello())
         except BaseException:
@@ -209,6 +210,8 @@ class Client:
         # sent in one sendall: a store's allocations cost one system call and one wake-up of the daemon
         # instead of one each.
         held: list[bytes] = []
+        with self._cv:
+            self._active += 1
         try:
             req = next(op)
             while True:
@@ -224,6 +227,14 @@ class Client:
             if held:  # sent, never awaited: the daemon still gets them (an abort, a commit)
                 with contextlib.suppress(HicachedError):
                     self._write(held)
+            with self._cv:
+                self._active -= 1
+                gone = self._broken is not None and not self._active
+            if gone:
+                # The connection is dead and no call copies through the pool's mapping any more: let go
+                # of it now, not at close(). After a daemon restart its memory is the old pool's, which
+                # the new daemon may need (pool.memory_wait).
+                self._ops._detach()
 
     def _request(self, req: Any, held: list[bytes]) -> Any:
         if isinstance(req, SideAttach):
@@ -419,7 +430,9 @@ class AsyncClient:
         self._ops._attach(welcome, fd)
         sock.setblocking(False)
         _, self._proto = await loop.create_unix_connection(_AsyncProtocol, sock=sock)
-        self._proto.on_broken = self._ops._drop_reserved
+        # The connection gone, the pool's mapping goes too (its memory may be a previous daemon's pool,
+        # which a restarted daemon needs): every copy runs on this loop's thread, so none is under way.
+        self._proto.on_broken = self._ops._detach
         self._proto.on_orphan = self._orphan_answer
         self._ops.peer_closed = peer_closed_check(sock.fileno())
         try:

@@ -3,6 +3,7 @@ frames, leases of dead clients, refused uids, write-back on shutdown, eviction a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -18,7 +19,7 @@ import pytest
 
 from connectors import file as file_module
 from hicached import protocol
-from hicached.client import Client
+from hicached.client import AsyncClient, Client
 from hicached.errors import HicachedError
 from hicached.keys import page_keys
 
@@ -411,3 +412,43 @@ def test_a_stored_page_is_visible_at_once_to_other_connections(daemon):
             with Client(daemon.socket, "rw.ns", PAGE) as writer:
                 assert all(writer.store(keys, make_pages(i, 20)))
             assert reader.exists(keys) == 20, f"round {i}"
+
+
+def _pool_mappings() -> int:
+    """This process's mappings of a daemon's pool."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:hicached-l2" in line for line in f)
+
+
+def test_a_client_lets_go_of_the_pool_once_the_daemon_is_gone(daemon):
+    # A restarted daemon allocates a new pool; the old one's memory stays allocated for as long as an
+    # engine maps it (pool.memory_wait). A blocking client lets go at the end of the call that finds the
+    # connection dead, without waiting for close().
+    c = Client(daemon.socket, "gone.ns", PAGE)
+    try:
+        assert c.store(["k"], [os.urandom(PAGE)]) == [True]
+        assert _pool_mappings() == 1
+        daemon.stop()
+        with pytest.raises(HicachedError) as e:
+            c.exists(["k"])
+        assert e.value.code == "connection"
+        assert _pool_mappings() == 0
+        with pytest.raises(HicachedError):
+            c.store(["k2"], [os.urandom(PAGE)])  # nothing is copied into a mapping that is gone
+    finally:
+        c.close()
+
+
+async def test_an_async_client_lets_go_of_the_pool_when_the_connection_drops(daemon):
+    async with AsyncClient(daemon.socket, "gone.ns", PAGE) as c:
+        assert await c.store(["k"], [os.urandom(PAGE)]) == [True]
+        assert _pool_mappings() == 1
+        await asyncio.get_running_loop().run_in_executor(None, daemon.stop)
+        for _ in range(500):  # the loop sees the connection close: no call needed
+            if _pool_mappings() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert _pool_mappings() == 0
+        with pytest.raises(HicachedError) as e:
+            await c.store(["k2"], [os.urandom(PAGE)])
+        assert e.value.code == "connection"
