@@ -66,6 +66,7 @@ class Server:
         self._owns_path = True
         self._accept_task: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[Any]] = set()
+        self._engines_admitting = 0  # engine connections past their first bytes, not yet in `connections`
         self.regions = RegionService(lambda: self.cfg, tiers)
         self.by_token: dict[str, Connection] = {}  # welcome token -> connection, for region_attach
         self.handlers: dict[str, Handler] = self._engine_handlers()
@@ -191,8 +192,11 @@ class Server:
                 self._refuse(sock, DRAINING, "the daemon is shutting down")
                 return
             # Those still in their handshake count too (this one is among them): a burst of connections
-            # would all pass a check of the admitted ones alone.
-            if len(self.connections) + len(self._admitting) - 1 >= self.cfg.server.max_connections:
+            # would all pass a check of the admitted ones alone. Twice the limit: until its first bytes, a
+            # connection may be an engine's short side connection that registers a host region, which
+            # belongs to a connection already counted; engines are held to the limit below.
+            limit = self.cfg.server.max_connections
+            if len(self.connections) + len(self._admitting) - 1 >= 2 * limit:
                 self._refuse(sock, BUSY, "too many connections (server.max_connections)")
                 return
             token = secrets.token_hex(16)
@@ -213,10 +217,17 @@ class Server:
             if fds:
                 await self._attach_connection(sock, first, fds, uid)
                 return
+            if len(self.connections) + self._engines_admitting >= limit:
+                self._refuse_first(sock, first, BUSY, "too many connections (server.max_connections)")
+                return
             loop = asyncio.get_running_loop()
-            await loop.connect_accepted_socket(
-                lambda: Connection(self, Session(peer=peer), token, uid, first), sock=sock
-            )
+            self._engines_admitting += 1
+            try:
+                await loop.connect_accepted_socket(
+                    lambda: Connection(self, Session(peer=peer), token, uid, first), sock=sock
+                )
+            finally:
+                self._engines_admitting -= 1
         except asyncio.CancelledError:
             sock.close()
             raise
@@ -310,6 +321,18 @@ class Server:
         if self.draining:
             raise HicachedError(DRAINING, "the daemon is draining")
         return await self.regions.attach(conn.session, msg, fds[0])
+
+    def _refuse_first(self, sock: socket.socket, first: bytes, code: str, message: str) -> None:
+        """Refuses a connection that has had its welcome: the answer goes to its first request (its
+        hello), so that the client sees `code` rather than a connection closed in silence."""
+        rid = 0
+        with contextlib.suppress(protocol.FrameError):
+            msgs = protocol.FrameDecoder(self.cfg.server.max_frame).feed(first)
+            if msgs and isinstance(msgs[0], dict) and type(msgs[0].get("id")) is int:
+                rid = msgs[0]["id"]
+        with contextlib.suppress(OSError):  # a few bytes into a socket that holds none: never blocks
+            sock.send(protocol.encode(protocol.error_answer(rid, code, message)))
+        sock.close()
 
     @staticmethod
     def _refuse(sock: socket.socket, code: str, message: str) -> None:

@@ -131,3 +131,34 @@ async def test_sighup_during_startup_reloads_once_started(tmp_path):
     finally:
         d.handle_signal(signal.SIGTERM)
         await d.shutdown()
+
+
+async def test_at_max_connections_engines_are_refused_busy_but_a_region_can_still_be_registered(tmp_path):
+    # The side connection that registers a host region belongs to a connection already counted: an engine
+    # at the limit can still register its memory, while another engine is told `busy`.
+    from hicached.client import shared_buffer
+
+    path = write_config(tmp_path, max_connections=2)
+    d = Daemon(config.load(path), config_path=path)
+    await d.startup()
+    try:
+        async with (
+            AsyncClient(d.server.path, "a.ns", 4096) as a,
+            AsyncClient(d.server.path, "b.ns", 4096) as b,
+        ):
+            with pytest.raises(HicachedError) as e:
+                await AsyncClient(d.server.path, "c.ns", 4096).connect()
+            assert e.value.code == "busy" and "max_connections" in e.value.message
+            region = shared_buffer(8 * 4096)
+            region[:4096] = 7
+            handle = await a.register_region(region, 4096)
+            assert await a.store_pages(handle, [0], ["r0"]) == [True]
+            assert await a.get(["r0"]) == [bytes([7]) * 4096]
+            assert await b.exists(["r0"]) == 0  # another namespace
+            assert len(d.server.connections) == 2
+        # Once one has gone, another engine gets in.
+        async with AsyncClient(d.server.path, "c.ns", 4096) as c:
+            assert await c.exists(["x"]) == 0
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
