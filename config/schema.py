@@ -45,7 +45,7 @@ class PoolConfig:
     prefault: bool = True
     # At start, a prefaulted pool larger than the memory left waits this long for memory before the daemon
     # gives up: after a restart, engines still mapping the previous daemon's pool hold its memory until
-    # they reconnect.
+    # their clients see the connection gone.
     memory_wait: Duration = 60.0
     # Write-back: when fewer than this fraction of slots are free or evictable, dirty pages are written out.
     writeback_low_watermark: float = 0.10

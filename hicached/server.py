@@ -330,14 +330,13 @@ class Server:
             msgs = protocol.FrameDecoder(self.cfg.server.max_frame).feed(first)
             if msgs and isinstance(msgs[0], dict) and type(msgs[0].get("id")) is int:
                 rid = msgs[0]["id"]
-        with contextlib.suppress(OSError):  # a few bytes into a socket that holds none: never blocks
-            sock.send(protocol.encode(protocol.error_answer(rid, code, message)))
-        sock.close()
+        self._refuse(sock, code, message, rid)
 
     @staticmethod
-    def _refuse(sock: socket.socket, code: str, message: str) -> None:
+    def _refuse(sock: socket.socket, code: str, message: str, rid: int = 0) -> None:
+        """A few bytes into a socket that holds none (never blocks), then closed."""
         with contextlib.suppress(OSError):
-            sock.send(protocol.encode(protocol.error_answer(0, code, message)))
+            sock.send(protocol.encode(protocol.error_answer(rid, code, message)))
         sock.close()
 
     # Engine requests.

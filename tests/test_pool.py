@@ -258,26 +258,30 @@ def test_check_capacity_refuses_a_prefaulted_pool_that_does_not_fit() -> None:
     assert check_capacity(1 << 50, True, None) is None  # nothing known: no opinion
 
 
-def _shmem_kib() -> int:
-    """Shared memory this process has faulted in."""
-    for line in open("/proc/self/status"):
-        if line.startswith("RssShmem:"):
+def _proc_kib(path: str, field: str) -> int:
+    """A `field:  N kB` line of a /proc file of this process."""
+    for line in open(path):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
 
 
+def _shmem_kib() -> int:
+    """Shared memory this process has faulted in."""
+    return _proc_kib("/proc/self/status", "RssShmem")
+
+
 def test_prefault_allocates_every_page_and_without_it_none() -> None:
-    shmem_kib = _shmem_kib
-    before = shmem_kib()
+    before = _shmem_kib()
     p = Pool(32 << 20, prefault=True)
     try:
-        assert shmem_kib() - before >= 32 << 10
+        assert _shmem_kib() - before >= 32 << 10
     finally:
         p.close()
-    before = shmem_kib()
+    before = _shmem_kib()
     q = Pool(32 << 20, prefault=False)
     try:
-        assert shmem_kib() - before < 1 << 10
+        assert _shmem_kib() - before < 1 << 10
     finally:
         q.close()
 
@@ -310,10 +314,7 @@ def _shmem_thp_mode() -> str | None:
 )
 def test_the_pool_is_in_2mib_pages_where_the_node_allows_them() -> None:
     def pmd_mapped_kib() -> int:
-        for line in open("/proc/self/smaps_rollup"):
-            if line.startswith("ShmemPmdMapped:"):
-                return int(line.split()[1])
-        return 0
+        return _proc_kib("/proc/self/smaps_rollup", "ShmemPmdMapped")
 
     before = pmd_mapped_kib()
     p = Pool(64 << 20, prefault=True)
