@@ -22,10 +22,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# The repository first, so that tests/connectors cannot shadow the connectors package; then tests/ for the
-# same real servers and daemon subprocess the end-to-end tests use.
-sys.path[:0] = [str(ROOT)]
-sys.path.append(str(ROOT / "tests"))
+# The same real servers and daemon subprocess the end-to-end tests use.
+sys.path.append(str(ROOT / "tests" / "support"))
 
 import aioboto3  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,11 +31,11 @@ import redis.asyncio as aioredis  # noqa: E402
 import uvloop  # noqa: E402
 from aiobotocore.config import AioConfig  # noqa: E402
 from daemon_proc import DaemonProcess  # noqa: E402
+from hicached.config.schema import RedisConfig, S3Config, StorageConfig  # noqa: E402
+from hicached.connectors import header  # noqa: E402
 from servers import MotoServer, RedisServer, aws_env  # noqa: E402
 
-from config.schema import RedisConfig, S3Config, StorageConfig  # noqa: E402
-from connectors import header  # noqa: E402
-from hicached.client import Client  # noqa: E402
+from hicached import Client  # noqa: E402
 
 MiB = 1 << 20
 KiB = 1 << 10

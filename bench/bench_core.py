@@ -29,13 +29,12 @@ import msgpack
 import numpy as np
 import uvloop
 import xxhash
+from hicached.connectors.file import FileConnector, default_io_threads
+from hicached.connectors.header import HEADER_SIZE
 
-import config
-from connectors.file import FileConnector, default_io_threads
-from connectors.header import HEADER_SIZE
-from hicached.client import Client
-from hicached.client_ops import _copy_pages as copy_pages  # None where connectors._pageio is not built
-from hicached.pool import map_memfd
+from hicached import Client, config
+from hicached.common.memfd import map_memfd
+from hicached.engine.ops import _copy_pages as copy_pages  # None where hicached.common._pageio is not built
 
 MiB = 1 << 20
 BATCH = 32  # pages per store/load call
@@ -257,8 +256,8 @@ class SizeBench:
         return now() - t0
 
     def stream_copy(self) -> float:
-        """The client's own copy into the pool (connectors._pageio.copy_pages: streaming stores on x86-64),
-        raw, BATCH pages a call into the shared mapping: what a store costs without the daemon."""
+        """The client's own copy into the pool (hicached.common._pageio.copy_pages: streaming stores on
+        x86-64), raw, BATCH pages a call into the shared mapping: what a store costs without the daemon."""
         p, t0 = self.p, now()
         for i in range(0, self.n, BATCH):
             batch = self.pages[i : i + BATCH]

@@ -28,7 +28,7 @@ Row = tuple[str, float, float, str]
 def pinned(nbytes: int) -> tuple[torch.Tensor, list[int]]:
     """Host memory for the raw copies: a prefaulted memfd mapping pinned in place (cudaHostRegister), as the
     daemon pins its pool; not the pool itself, whose slots hold the pages being measured."""
-    from hicached.client import shared_buffer
+    from hicached import shared_buffer
 
     host = shared_buffer(nbytes)
     cudart = torch.cuda.cudart()
@@ -49,7 +49,7 @@ def raw_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
 
 
 def bench(c, host: torch.Tensor, page: int, name: str, segs, a: argparse.Namespace) -> list[Row]:
-    from hicached.geometry import Geometry, Segment
+    from hicached.common.geometry import Geometry, Segment
 
     n = a.rep_bytes // page
     batch = max(1, min(n, a.batch_bytes // page))
@@ -118,7 +118,7 @@ def main() -> int:
         return 0
     from bench_regions import Daemon, layouts, print_table
 
-    from hicached.client import Client
+    from hicached import Client
 
     a.sizes = (64 * 1024, 2 * MiB, 16 * MiB)
     a.rep_bytes, a.reps = (128 * MiB, 3) if a.quick else (512 * MiB, 7)

@@ -25,8 +25,8 @@ import benchlib
 import numpy as np
 import torch
 
-from hicached.client import Client, _NoReply, shared_buffer
-from hicached.geometry import Geometry, Segment, plan
+from hicached.common.geometry import Geometry, Segment, plan
+from hicached.engine.client import Client, _NoReply, shared_buffer
 
 MiB = 1 << 20
 COPY_THREADS = 2

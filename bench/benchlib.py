@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from hicached.client import control
-from hicached.errors import HicachedError
+from hicached import HicachedError
+from hicached.engine.client import control
 
 
 class Daemon:

@@ -1,5 +1,5 @@
 """Latency of one page read from the file backend while the event loop is busy, on the C engine's threads
-(connectors._pageio.Engine) and on Python threads (the path used where the C module is not built).
+(hicached.common._pageio.Engine) and on Python threads (the path used where the C module is not built).
 
 The daemon's event loop runs Python for every request of every engine; an I/O thread that needs the GIL
 must win it from the loop. This bench keeps the loop busy in slices of --busy-ms of Python, with a turn
@@ -17,19 +17,15 @@ import logging
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvloop  # noqa: E402
+from hicached.connectors import BackendUnavailable  # noqa: E402
+from hicached.connectors import file as file_module  # noqa: E402
+from hicached.connectors.header import HEADER_SIZE  # noqa: E402
 
-import config  # noqa: E402
-from connectors import BackendUnavailable  # noqa: E402
-from connectors import file as file_module  # noqa: E402
-from connectors.header import HEADER_SIZE  # noqa: E402
+from hicached import config  # noqa: E402
 
 NS = "bench.busy"
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from connectors import _pageio
-from hicached import copier
-from hicached.geometry import Geometry, Segment, plan
+from hicached.common import _pageio
+from hicached.common.geometry import Geometry, Segment, plan
+from hicached.daemon.regions import copier
 
 MiB = 1 << 20
 TOTAL = 256 * MiB  # bytes moved per repetition

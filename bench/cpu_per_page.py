@@ -26,19 +26,15 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvloop  # noqa: E402
+from hicached.connectors.file import FileConnector, _pageio  # noqa: E402
 
-import config  # noqa: E402
-from connectors.file import FileConnector, _pageio  # noqa: E402
-from hicached.pool import Pool  # noqa: E402
-from hicached.tiers import Session, Tiers  # noqa: E402
+from hicached import config  # noqa: E402
+from hicached.daemon.l2.pool import Pool  # noqa: E402
+from hicached.daemon.sched.tiers import Session, Tiers  # noqa: E402
 
 MiB = 1 << 20
 POOL = 64 * MiB
@@ -51,7 +47,7 @@ def keys(tag: str, n: int) -> list[str]:
 
 
 class AtOnceEngine:
-    """connectors._pageio.Engine with every job answered at once: its arguments are taken as the engine
+    """hicached.common._pageio.Engine with every job answered at once: its arguments are taken as the engine
     takes them (the names made, the buffers held, by the C call with its stop flag already set, so that no
     page is touched), and the answer comes through an eventfd to the connector's reader as the engine's."""
 

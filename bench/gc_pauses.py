@@ -3,8 +3,8 @@ tracks, and a full collection scans them all, with the event loop stopped meanwh
 
 The tiers run in this process as the daemon runs them (file backend, no I/O during the fill) and fill a
 pool of --pages slots with alloc + commit of 32 pages a call. Each collection is timed with gc.callbacks.
-It runs twice, in fresh processes: with the index freezing what is alive as it grows (hicached/index.py,
-gc.freeze), and without (the freezes pushed out of reach), and prints both.
+It runs twice, in fresh processes: with the index freezing what is alive as it grows
+(hicached/daemon/l2/index.py, gc.freeze), and without (the freezes pushed out of reach), and prints both.
 
 Usage: python bench/gc_pauses.py [--pages 524288] [--page-kib 4]
 """
@@ -18,17 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvloop  # noqa: E402
+from hicached.connectors.file import FileConnector  # noqa: E402
 
-import config  # noqa: E402
-from connectors.file import FileConnector  # noqa: E402
-from hicached import index as index_module  # noqa: E402
-from hicached.pool import Pool  # noqa: E402
-from hicached.tiers import Session, Tiers  # noqa: E402
+from hicached import config  # noqa: E402
+from hicached.daemon.l2 import index as index_module  # noqa: E402
+from hicached.daemon.l2.pool import Pool  # noqa: E402
+from hicached.daemon.sched.tiers import Session, Tiers  # noqa: E402
 
 BATCH = 32
 

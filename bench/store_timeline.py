@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -31,7 +30,7 @@ def serve(log_path: str, argv: list[str]) -> int:
     """The daemon, with (received, op, keys, answered) recorded for every request and written at exit."""
     import atexit
 
-    import hicached.server as srv
+    import hicached.daemon.server.listener as srv
     from hicached.cli import main
 
     log: list[tuple[float, str, int, float]] = []
@@ -61,9 +60,9 @@ def run(a: argparse.Namespace) -> None:
     import benchlib
     import numpy as np
 
-    import hicached.client as client_mod
-    import hicached.client_ops as ops_mod
-    from hicached.client import Client
+    import hicached.engine.client as client_mod
+    import hicached.engine.ops as ops_mod
+    from hicached import Client
 
     work = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="hicached-bench-"))
     (work / "data").mkdir()

@@ -22,18 +22,18 @@ from typing import Any
 import aiofiles.os
 import aiofiles.ospath
 import xxhash
+from hicached.config import Config, resolve_path
 
-from config import Config, resolve_path
-from hicached.keys import KEY_MAX_LEN, NAMESPACE_MAX_LEN, valid_key, valid_namespace
+from hicached.common.keys import KEY_MAX_LEN, NAMESPACE_MAX_LEN, valid_key, valid_namespace
 
 from . import file_janitor, header
 from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, put_checksums
 
 log = logging.getLogger("hicached.connectors.file")
 
-_PAGEIO_API = 4  # the arguments and answers of connectors._pageio that this file was written for
-try:  # the C page I/O (connectors/_pageio.c), built by the install where a C compiler is at hand
-    from . import _pageio
+_PAGEIO_API = 4  # the arguments and answers of hicached.common._pageio that this file was written for
+try:  # the C page I/O (hicached/common/_pageio.c), built by the install where a C compiler is at hand
+    from hicached.common import _pageio
 except ImportError:
     _pageio = None
 if _pageio is not None and (
@@ -51,7 +51,7 @@ if _pageio is not None and (
     KEY_MAX_LEN,
     NAMESPACE_MAX_LEN,
 ):  # built from other sources: its pages might not verify here, or its calls not fit; not used
-    log.warning("file: connectors._pageio was built from other sources; reinstall to rebuild it")
+    log.warning("file: hicached.common._pageio was built from other sources; reinstall to rebuild it")
     _pageio = None
 # What its result codes mean (besides 0, done, and an errno): CorruptPage reasons and messages as
 # header.parse words them.
@@ -109,8 +109,8 @@ def _errname(e: OSError) -> str:
 
 
 def _native_write_result(code: int) -> str | None:
-    """A write result of connectors._pageio as _write_chunk reports it: None, _CANCELLED, "invalid_key" or
-    an errno name."""
+    """A write result of hicached.common._pageio as _write_chunk reports it: None, _CANCELLED,
+    "invalid_key" or an errno name."""
     if code == 0:
         return None
     if code == _pageio.BAD_KEY:
@@ -201,9 +201,9 @@ class FileConnector(Connector):
             initializer=_lower_priority,
             initargs=(fc.write_nice, fc.write_sched_idle),
         )
-        # Page I/O in C where the module was built: jobs run on threads of its own (connectors._pageio.Engine,
-        # made at start) that never take the GIL. Else the Python path on the executors above, which writes
-        # and reads the same files (the tests run both).
+        # Page I/O in C where the module was built: jobs run on threads of its own
+        # (hicached.common._pageio.Engine, made at start) that never take the GIL. Else the Python path on
+        # the executors above, which writes and reads the same files (the tests run both).
         self._native = _pageio
         self._engines: tuple[Any, Any] | None = None  # (reads, writes)
         self._engine_loop: asyncio.AbstractEventLoop | None = None  # the loop that watches their eventfds
@@ -254,7 +254,7 @@ class FileConnector(Connector):
                 log.info("file: %s, %d io threads, page I/O in C (_pageio)", self.root, self._threads)
             elif _pageio is None:  # else _start_engines said why the C module is not used
                 log.warning(
-                    "file: %s, %d io threads, page I/O in Python: connectors._pageio is not built (no C "
+                    "file: %s, %d io threads, page I/O in Python: hicached.common._pageio is not built (no C "
                     "compiler at install?); same files, more CPU per page",
                     self.root,
                     self._threads,
@@ -333,7 +333,7 @@ class FileConnector(Connector):
         out = {
             "root": self.root,
             "io_threads": self._threads,
-            "page_io": "c" if self._native is not None else "python",  # connectors._pageio built or not
+            "page_io": "c" if self._native is not None else "python",  # hicached.common._pageio built or not
         }
         if self._engines is not None:  # the C engines' jobs waiting for a thread and being run
             for what, engine in zip(("reads", "writes"), self._engines, strict=True):

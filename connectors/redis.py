@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from hicached.config import Config, resolve_path
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import AbstractBackoff
 
-from config import Config, resolve_path
-from hicached.retry import Backoff
+from hicached.common.retry import Backoff
 
 from . import header
 from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, log, put_checksums

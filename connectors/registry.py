@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import importlib
 
-from config import Config
+from hicached.config import Config
 
 from .base import Connector
 
 # name -> "module:Class", imported on demand so that a backend's library is loaded only when it is used.
 CONNECTORS = {
-    "file": "connectors.file:FileConnector",
-    "redis": "connectors.redis:RedisConnector",
-    "s3": "connectors.s3:S3Connector",
+    "file": "hicached.connectors.file:FileConnector",
+    "redis": "hicached.connectors.redis:RedisConnector",
+    "s3": "hicached.connectors.s3:S3Connector",
 }
 
 

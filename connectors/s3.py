@@ -15,8 +15,7 @@ import aioboto3
 import aiohttp
 import botocore.exceptions as bexc
 from aiobotocore.config import AioConfig
-
-from config import Config
+from hicached.config import Config
 
 from . import header
 from .base import (

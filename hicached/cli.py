@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-import config
+from hicached import config
 
 DEFAULT_CONFIG = "hicached.toml"
 
@@ -32,8 +32,8 @@ def _load(path: str) -> config.Config:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
-    from .daemon import Daemon
-    from .notify import listen_socket
+    from hicached.daemon.service.lifecycle import Daemon
+    from hicached.daemon.service.notify import listen_socket
 
     cfg = _load(args.config)
     _setup_logging(cfg.logging.level)
@@ -67,8 +67,8 @@ _FLUSH_WAIT_S = 3600.0  # longer than any sane shutdown.flush_timeout: the daemo
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:
-    from .client import control
-    from .errors import HicachedError
+    from hicached.common.errors import HicachedError
+    from hicached.engine.client import control
 
     extra: dict = {}
     words = args.args

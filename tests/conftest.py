@@ -34,7 +34,7 @@ def _run_async_test(fn, kwargs) -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
-        gc.unfreeze()  # what the page index froze as it grew (hicached/index.py) is looked at here too
+        gc.unfreeze()  # what the page index froze as it grew (hicached.daemon.l2.index) is looked at here too
         gc.collect()
         runner.get_loop().run_until_complete(asyncio.sleep(0))
     if problems:
@@ -52,7 +52,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
 
 @pytest.fixture(autouse=True)
 def _gc_unfrozen():
-    """The page index freezes the objects alive as it grows (gc.freeze, hicached/index.py): a test's objects
-    go back to the collector after it, so that no test keeps another's garbage."""
+    """The page index freezes the objects alive as it grows (gc.freeze, hicached.daemon.l2.index): a test's
+    objects go back to the collector after it, so that no test keeps another's garbage."""
     yield
     gc.unfreeze()

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hicached.connectors import Connector, build
 from proxy import TcpProxy
 from servers import MotoServer, RedisClusterServers, RedisServer, aws_env
 
-import config
-from connectors import Connector, build
+from hicached import config
 
 BACKENDS = ["file", "redis", "redis-cluster", "s3"]
 BUCKET = "hicached-test"

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from connectors import BackendUnavailable, Connector, header
+from hicached.connectors import BackendUnavailable, Connector, header
 
 NS = "llama-3.1-8b.bf16.p64.tp0of1"
 KiB, MiB = 1024, 1024 * 1024

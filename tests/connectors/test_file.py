@@ -14,11 +14,11 @@ import threading
 import time
 
 import pytest
+from hicached.connectors import BackendUnavailable, build, file_janitor, header
+from hicached.connectors import file as file_module
+from hicached.connectors.file import FileConnector
 
-import config
-from connectors import BackendUnavailable, build, file_janitor, header
-from connectors import file as file_module
-from connectors.file import FileConnector
+from hicached import config
 
 NS = "llama-3.1-8b.bf16.p64.tp0of1"
 KiB, MiB = 1024, 1024 * 1024
@@ -27,11 +27,13 @@ KiB, MiB = 1024, 1024 * 1024
 @pytest.fixture(autouse=True, params=["native", "python"])
 def page_io(request, monkeypatch) -> str:
     """Every test runs on both page I/O paths, which must read and write the same files alike: the C module
-    connectors._pageio and the Python loops it stands in for."""
+    hicached.common._pageio and the Python loops it stands in for."""
     if request.param == "python":
         monkeypatch.setattr(file_module, "_pageio", None)
     elif file_module._pageio is None:
-        pytest.skip("connectors._pageio is not built here (no C compiler at install); .ci/run requires it")
+        pytest.skip(
+            "hicached.common._pageio is not built here (no C compiler at install); .ci/run requires it"
+        )
     return request.param
 
 
@@ -333,7 +335,8 @@ async def test_large_batch_is_split_across_threads_in_order(tmp_path) -> None:
 
 
 class EngineSpy:
-    """A connectors._pageio.Engine that notes the jobs it is given: (_write_chunk or _read_chunk, pages)."""
+    """A hicached.common._pageio.Engine that notes the jobs it is given: (_write_chunk or _read_chunk,
+    pages)."""
 
     def __init__(self, engine, seen: list[tuple[str, int]]) -> None:
         self.engine, self.seen = engine, seen

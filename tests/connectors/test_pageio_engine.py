@@ -1,4 +1,4 @@
-"""connectors._pageio.Engine: the C threads that run the file connector's page I/O without the GIL.
+"""hicached.common._pageio.Engine: the C threads that run the file connector's page I/O without the GIL.
 
 Its jobs against a real directory, its queue, its close, and the connector's use of it: answers that
 reach the caller through the event loop's reader, whatever the loop is doing."""
@@ -16,13 +16,13 @@ import time
 import types
 
 import pytest
+from hicached.connectors import file as file_module
+from hicached.connectors.file import FileConnector
 
-import config
-from connectors import file as file_module
-from connectors.file import FileConnector
+from hicached import config
 
 pytestmark = pytest.mark.skipif(
-    file_module._pageio is None, reason="connectors._pageio is not built here (no C compiler at install)"
+    file_module._pageio is None, reason="hicached.common._pageio is not built here (no C compiler at install)"
 )
 
 NS = "engine.p64"

@@ -8,12 +8,12 @@ import os
 
 import pytest
 import redis
+from hicached.connectors import BackendMisconfigured, BackendUnavailable, header
+from hicached.connectors.redis import RedisConnector, _Page, _PageConnection
 from redis.asyncio.connection import Connection
 from servers import RedisClusterServers, RedisServer, free_port, make_tls_files
 
-import config
-from connectors import BackendMisconfigured, BackendUnavailable, header
-from connectors.redis import RedisConnector, _Page, _PageConnection
+from hicached import config
 
 NS = "ns.test"
 KiB = 1024

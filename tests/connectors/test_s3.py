@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hicached.connectors import BackendMisconfigured, BackendUnavailable
+from hicached.connectors.s3 import S3Connector
 from servers import MotoServer, env_with, free_port
 
-import config
-from connectors import BackendMisconfigured, BackendUnavailable
-from connectors.s3 import S3Connector
+from hicached import config
 
 NS = "ns.test"
 BUCKET = "hicached-test"  # made by the moto_server fixture

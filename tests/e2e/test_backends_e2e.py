@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from servers import MotoServer, RedisClusterServers, RedisServer, aws_env
 
-from hicached.client import Client
+from hicached.engine.client import Client
 
 PAGE = 128 * 1024
 NS = "e2e.backends"

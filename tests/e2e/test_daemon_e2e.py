@@ -16,12 +16,12 @@ import threading
 
 import msgpack
 import pytest
+from hicached.connectors import file as file_module
 
-from connectors import file as file_module
-from hicached import protocol
-from hicached.client import AsyncClient, Client
-from hicached.errors import HicachedError
-from hicached.keys import page_keys
+from hicached.common import protocol
+from hicached.common.errors import HicachedError
+from hicached.common.keys import page_keys
+from hicached.engine.client import AsyncClient, Client
 
 PAGE = 64 * 1024
 

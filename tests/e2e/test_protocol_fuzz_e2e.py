@@ -22,7 +22,7 @@ from protocol_fuzz import (
     side_attach,
 )
 
-from hicached.errors import BAD_REQUEST
+from hicached.common.errors import BAD_REQUEST
 
 RACES = 32  # a race hits its window about one time in three without the fix; 32 make a miss unlikely
 FUZZ_CONFIG = {

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from hicached.client import Client, shared_buffer
-from hicached.errors import HicachedError
-from hicached.keys import page_keys
-from hicached.pool import SEALS
+from hicached.common.errors import HicachedError
+from hicached.common.keys import page_keys
+from hicached.common.memfd import SEALS
+from hicached.engine.client import Client, shared_buffer
 
 PAGE = 64 * 1024
 HALF = PAGE // 2
@@ -201,7 +201,7 @@ ENGINE = textwrap.dedent(
     """
     import sys, time
     import torch
-    from hicached.client import Client, shared_buffer
+    from hicached.engine.client import Client, shared_buffer
     sock, name, use_cuda = sys.argv[1], sys.argv[2], sys.argv[3] == "cuda"
     c = Client(sock, "killed.ns", 65536)
     if use_cuda:

@@ -15,10 +15,10 @@ import urllib.request
 
 import pytest
 from daemon_proc import to_toml
-from tests_support_ports import free_port
+from ports import free_port
 
-from hicached.client import Client, control
-from hicached.errors import HicachedError
+from hicached.common.errors import HicachedError
+from hicached.engine.client import Client, control
 
 PAGE = 64 * 1024
 
@@ -220,7 +220,7 @@ def test_unit_file_verifies():
 def test_unit_stop_timeout_covers_the_shipped_configs_longest_stop():
     """systemd kills a daemon still stopping at TimeoutStopSec: with config/hicached.toml, a stop may
     answer requests in flight for up to server.request_timeout, then flush for shutdown.flush_timeout."""
-    import config
+    from hicached import config
 
     here = os.path.join(os.path.dirname(__file__), "..", "..", "config")
     unit = open(os.path.join(here, "hicached.service")).read()

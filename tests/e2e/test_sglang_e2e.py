@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hicached.keys import page_keys, valid_namespace
-from hicached.sglang_backend import HicachedStorage
+from hicached.common.keys import page_keys, valid_namespace
+from hicached.engine.sglang import HicachedStorage
 
 TOKENS = 4  # tokens per page
 NUMEL = 2048  # bfloat16 elements per flat page: 4 KiB
@@ -184,7 +184,7 @@ def test_sglang_dynamic_loader_builds_it(daemon):
     assert issubclass(HicachedStorage, hs.HiCacheStorage)
     extra = {
         "backend_name": "hicached",
-        "module_path": "hicached.sglang_backend",
+        "module_path": "hicached.engine.sglang",
         "class_name": "HicachedStorage",
         "interface_v1": 1,
         "socket": daemon.socket,

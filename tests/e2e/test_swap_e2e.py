@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 from daemon_proc import to_toml
+from hicached.connectors import header
 from servers import MotoServer, RedisServer, aws_env
 
-from connectors import header
-from hicached.client import Client, control
-from hicached.errors import HicachedError
+from hicached.common.errors import HicachedError
+from hicached.engine.client import Client, control
 
 PAGE = 32 * 1024
 NS = "swap.ns"

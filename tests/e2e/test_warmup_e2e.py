@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from hicached.client import Client
+from hicached.engine.client import Client
 
 PAGE = 64 * 1024
 

@@ -1,0 +1,490 @@
+"""The page index: (namespace, key) -> slot, with leases, pins, the "not yet in L3" state and LRU eviction.
+
+Every operation costs O(1) per key. Only pages that are ready, unleased, unpinned and clean (in L3, or
+nothing to back up to) sit in the per-class LRU lists, so eviction never scans past pages it cannot take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+
+from hicached.daemon.l2.slabs import SizeClass, SlabAllocator, slot_size
+
+WRITING = "writing"  # slot handed to an engine, bytes not yet committed
+FILLING = "filling"  # being read from L3 by a prefetch
+READY = "ready"
+QUARANTINED = "quarantined"  # removed, slot not yet reusable
+
+_STEAL_CANDIDATES = 16  # LRU pages of a victim class whose slabs are tried before giving up
+# Python's cyclic garbage collector scans every object it tracks in a full collection, and every entry is
+# one: filling a pool of 512K pages (4 KiB) ran five full collections, the longest stalling the event loop
+# for 215 ms. So the index freezes what is alive each time it has grown by a quarter (gc.freeze: never
+# scanned again, still freed by reference counting when it goes), from this many entries on.
+_FREEZE_FROM = 16384
+_FREEZE_GROWTH = 1.25
+# stats_sliced yields to the event loop after this many entries (~2 ms of walk), not after all of them
+# (~100 ms for 512K entries).
+_STATS_SLICE = 16384
+
+
+def _tally(entries: Iterable[Entry]) -> list[int]:
+    """[ready, writing, filling, pinned, leased] over `entries`, in one pass."""
+    ready = writing = filling = pinned = leased = 0
+    for e in entries:
+        st = e.state
+        if st is READY:
+            ready += 1
+        elif st is WRITING:
+            writing += 1
+        elif st is FILLING:
+            filling += 1
+        if e.pinned:
+            pinned += 1
+        if e.leases:
+            leased += 1
+    return [ready, writing, filling, pinned, leased]
+
+
+class Entry:
+    __slots__ = (
+        "ns",
+        "key",
+        "offset",
+        "size",
+        "cls",
+        "state",
+        "leases",
+        "pinned",
+        "dirty",
+        "queued",
+        "in_l3",
+        "fill",
+        "in_lru",
+        "in_dirty",
+        "counted_dirty",
+        "checksum",
+    )
+
+    def __init__(self, ns: str, key: str, offset: int, size: int, cls: SizeClass, state: str) -> None:
+        self.ns = ns
+        self.key = key
+        self.offset = offset
+        self.size = size
+        self.cls = cls
+        self.state = state
+        self.leases = 0
+        self.pinned = False
+        self.dirty = False  # acknowledged to an engine, not yet in L3
+        self.queued = False  # dirty and handed to the backup workers
+        self.in_l3 = False
+        self.fill: asyncio.Future[None] | None = None  # while FILLING: done when its batch's read ends
+        self.in_lru = False  # filed in its class's LRU (evictable)
+        self.in_dirty = False  # filed in PageIndex.dirty
+        self.counted_dirty = False  # counted in PageIndex.dirty_pages
+        self.checksum: int | None = None  # the payload's xxh3-64 as the engine's client took it, if it did
+
+    @property
+    def evictable(self) -> bool:
+        return self.state == READY and not self.leases and not self.pinned and not self.dirty
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.ns}/{self.key[:12]} {self.state} off={self.offset} leases={self.leases}>"
+
+
+_NO_ENTRIES: dict[str, Entry] = {}
+
+
+class EntriesView:
+    """Every entry of an index, whatever its namespace: len() and values() (iterate over a copy of values()
+    to add or remove entries meanwhile)."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: PageIndex) -> None:
+        self._index = index
+
+    def __len__(self) -> int:
+        return self._index._count
+
+    def values(self) -> Iterator[Entry]:
+        return itertools.chain.from_iterable(d.values() for d in list(self._index._by_ns.values()))
+
+
+class PageIndex:
+    def __init__(self, allocator: SlabAllocator) -> None:
+        self.alloc = allocator
+        # namespace -> key -> entry. Looked up per key on every request: a dict per namespace costs half
+        # of one dict keyed by (namespace, key) tuples, which builds and hashes a tuple per lookup.
+        self._by_ns: dict[str, dict[str, Entry]] = {}
+        self._count = 0
+        self._freeze_at = _FREEZE_FROM  # entries at which _freeze runs next
+        self.entries = EntriesView(self)
+        # The LRU lists and the dirty list are keyed by the entries themselves (hashed by identity: cheaper
+        # than a (namespace, key) tuple built for each change).
+        self._lru: dict[SizeClass, OrderedDict[Entry, Entry]] = {}
+        self._by_offset: dict[int, Entry] = {}
+        self._classes: dict[int, SizeClass] = {}  # page bytes -> its size class, looked up per page
+        # Dirty, ready pages in the order they became dirty: what write-back writes out first.
+        self.dirty: OrderedDict[Entry, Entry] = OrderedDict()
+        # Pages not yet in L3, queued for backup or not: counted as update() re-files them, so that stats
+        # and metrics need no walk over every entry (147 ms for 512K entries).
+        self.dirty_pages = 0
+        self.evictable_bytes = 0
+        self.reserved = 0  # slots set aside for connections' next stores, under no key yet
+        self.reserved_bytes = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        # Called with the entries that leave the index (evicted, aborted, failed fill): a list, so that a
+        # full pool's evictions for a whole request are told in one call.
+        self.on_remove: Callable[[list[Entry]], None] = lambda entries: None
+
+    def get(self, ns: str, key: str) -> Entry | None:
+        d = self._by_ns.get(ns)
+        return None if d is None else d.get(key)
+
+    def ns_entries(self, ns: str) -> dict[str, Entry]:
+        """The entries of one namespace by key, for loops over many keys (read only)."""
+        return self._by_ns.get(ns, _NO_ENTRIES)
+
+    def live(self, entry: Entry) -> bool:
+        d = self._by_ns.get(entry.ns)
+        return d is not None and d.get(entry.key) is entry
+
+    def _insert(self, entry: Entry) -> None:
+        d = self._by_ns.get(entry.ns)
+        if d is None:
+            d = self._by_ns[entry.ns] = {}
+        d[entry.key] = entry
+        self._count += 1
+        if self._count >= self._freeze_at:
+            self._freeze()
+
+    def _freeze(self) -> None:
+        """Moves every object the collector tracks out of its sight (see _FREEZE_FROM). Young garbage is
+        collected first, since what is frozen is never collected: cyclic garbage older than that, and
+        cycles through frozen objects, stay (the daemon makes few; a restart frees them)."""
+        gc.collect(1)
+        gc.freeze()
+        self._freeze_at = int(self._count * _FREEZE_GROWTH)
+        self.counters["gc_freezes"] += 1
+
+    def _delete(self, entry: Entry) -> None:
+        del self._by_ns[entry.ns][entry.key]
+        if entry.counted_dirty:
+            entry.counted_dirty = False
+            self.dirty_pages -= 1
+        self._count -= 1
+
+    def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
+        """A new entry with a slot of its own, evicting if needed; None when nothing can be freed."""
+        cls = self.size_class(page_bytes)
+        offset = self.alloc.alloc(cls)
+        if offset is None:
+            cls, offsets = self.take_slots(page_bytes, 1)
+            if not offsets:
+                return None
+            offset = offsets[0]
+        return self.entry_at(ns, key, page_bytes, cls, offset, state)
+
+    def reserve(self, ns: str, page_bytes: int, n: int) -> list[Entry]:
+        """Up to `n` slots set aside for a connection's next stores (Tiers.reserve): WRITING entries under
+        no key yet, leased, so that neither eviction nor a slab move takes them. Fewer when
+        nothing more can be freed."""
+        cls, offsets = self.take_slots(page_bytes, n)
+        out = []
+        for offset in offsets:
+            entry = Entry(ns, "", offset, page_bytes, cls, WRITING)
+            entry.leases = 1
+            self._by_offset[offset] = entry
+            out.append(entry)
+        self.reserved += len(out)
+        self.reserved_bytes += len(out) * cls.slot_bytes
+        return out
+
+    def bind(self, entry: Entry, key: str) -> None:
+        """A reserved slot takes its key (the caller checked that the key is free)."""
+        entry.key = key
+        self._insert(entry)
+        self.reserved -= 1
+        self.reserved_bytes -= entry.cls.slot_bytes
+
+    def unreserve(self, entry: Entry, quarantine: float = 0.0) -> None:
+        """A reserved slot that was never bound goes back to the allocator (`quarantine`: as in remove)."""
+        self.reserved -= 1
+        self.reserved_bytes -= entry.cls.slot_bytes
+        self._release_slot(entry, quarantine)
+
+    def size_class(self, page_bytes: int) -> SizeClass:
+        cls = self._classes.get(page_bytes)
+        if cls is None:
+            cls = self._classes[page_bytes] = self.alloc.size_class(slot_size(page_bytes))
+        return cls
+
+    def take_slots(self, page_bytes: int, n: int) -> tuple[SizeClass, list[int]]:
+        """Up to `n` slots for pages of `page_bytes`, evicting as needed; fewer when nothing more can be
+        freed. What n allocations would take, with a full pool's work (an eviction for each page taken
+        in) done in one loop. The caller turns every slot into an entry (entry_at) or gives it back
+        (give_back) before anything else allocates: until then the slot belongs to no entry."""
+        cls = self.size_class(page_bytes)
+        out = self.alloc.alloc_many(cls, n)
+        while len(out) < n:
+            share = self.alloc.fair_share(cls)
+            if len(cls.slabs) < share and self._steal_slab(cls, share):
+                out += self.alloc.alloc_many(cls, n - len(out))
+                continue
+            evicted = self._evict(cls, n - len(out))
+            if evicted:
+                out += evicted
+                continue
+            if self._steal_slab(cls, share):
+                out += self.alloc.alloc_many(cls, n - len(out))
+                continue
+            self.counters["alloc_failures"] += 1
+            break
+        return cls, out
+
+    def entry_at(self, ns: str, key: str, page_bytes: int, cls: SizeClass, offset: int, state: str) -> Entry:
+        """A new entry under `key` in a slot from take_slots."""
+        entry = Entry(ns, key, offset, page_bytes, cls, state)
+        self._by_offset[offset] = entry
+        self._insert(entry)
+        return entry
+
+    def entries_at(
+        self,
+        ns: str,
+        keys: list[str],
+        page_bytes: int,
+        cls: SizeClass,
+        offsets: list[int],
+        state: str,
+        leases: int,
+    ) -> list[Entry]:
+        """entry_at for each of `keys` (all different and new) in the slots `offsets` from take_slots, with
+        `leases` leases each, in one loop: prefetch and alloc make an entry for every page of a request."""
+        d = self._by_ns.get(ns)
+        if d is None:
+            d = self._by_ns[ns] = {}
+        by_offset = self._by_offset
+        out = []
+        for key, offset in zip(keys, offsets, strict=True):
+            entry = Entry(ns, key, offset, page_bytes, cls, state)
+            entry.leases = leases
+            by_offset[offset] = entry
+            d[key] = entry
+            out.append(entry)
+        self._count += len(out)
+        if self._count >= self._freeze_at:
+            self._freeze()
+        return out
+
+    def give_back(self, cls: SizeClass, offsets: list[int]) -> None:
+        """Slots from take_slots that became no entry."""
+        for offset in offsets:
+            self.alloc.free(cls, offset)
+
+    def remove(self, entry: Entry, quarantine: float = 0.0) -> None:
+        """Drops the entry and frees its slot. The caller makes sure nobody holds a lease on it.
+
+        With `quarantine`, the slot is only freed that many seconds later: for a read from L3 that timed
+        out, whose I/O thread may still be writing into the slot and cannot be stopped."""
+        if not self.live(entry):
+            return
+        if entry.in_lru:
+            self._unlist(entry)
+        if entry.in_dirty:
+            del self.dirty[entry]
+            entry.in_dirty = False
+        self._delete(entry)
+        self.on_remove([entry])
+        self._release_slot(entry, quarantine)
+
+    def _release_slot(self, entry: Entry, quarantine: float) -> None:
+        if quarantine > 0:
+            entry.state = QUARANTINED  # still in _by_offset, so its slab is not reassigned meanwhile
+            self.counters["quarantined"] += 1
+            asyncio.get_running_loop().call_later(quarantine, self._free_slot, entry)
+        else:
+            self._free_slot(entry)
+
+    def _free_slot(self, entry: Entry) -> None:
+        del self._by_offset[entry.offset]
+        self.alloc.free(entry.cls, entry.offset)
+
+    # State changes. Each one re-files the entry in or out of the LRU.
+
+    def update(self, entry: Entry) -> None:
+        """Re-file an entry after its state, leases, pin or dirty flag changed; moves it to the MRU end."""
+        d = self._by_ns.get(entry.ns)  # live(), inlined: this runs for every page taken in or let go
+        if d is None or d.get(entry.key) is not entry:
+            return  # removed already (a failed fill); late lease releases must not resurrect it
+        if entry.dirty != entry.counted_dirty:
+            entry.counted_dirty = entry.dirty
+            self.dirty_pages += 1 if entry.dirty else -1
+        if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
+            lru = self._lru.get(entry.cls)
+            if lru is None:
+                lru = self._lru[entry.cls] = OrderedDict()
+            if entry.in_lru:
+                lru.move_to_end(entry)
+            else:
+                lru[entry] = entry
+                entry.in_lru = True
+                self.evictable_bytes += entry.cls.slot_bytes
+        elif entry.in_lru:
+            self._unlist(entry)
+        if entry.dirty and entry.state == READY and not entry.queued:
+            if not entry.in_dirty:
+                self.dirty[entry] = entry
+                entry.in_dirty = True
+        elif entry.in_dirty:
+            del self.dirty[entry]
+            entry.in_dirty = False
+
+    def _unlist(self, entry: Entry) -> None:
+        del self._lru[entry.cls][entry]
+        entry.in_lru = False
+        self.evictable_bytes -= entry.cls.slot_bytes
+
+    def lru_lists(self) -> list[OrderedDict[Entry, Entry]]:
+        """The evictable pages of each size class, least recently used first."""
+        return list(self._lru.values())
+
+    def touch(self, entry: Entry) -> None:
+        if entry.in_lru:
+            self._lru[entry.cls].move_to_end(entry)
+
+    def lease(self, entry: Entry) -> None:
+        entry.leases += 1
+        if entry.leases == 1 and entry.in_lru:
+            self._unlist(entry)  # a leased page is not evictable; nothing else changes
+
+    def unlease(self, entry: Entry) -> None:
+        entry.leases -= 1
+        if entry.leases == 0:
+            self.update(entry)
+
+    def lease_all(self, entries: list[Entry]) -> None:
+        """lease of each entry, in one loop."""
+        unlist = self._unlist
+        for entry in entries:
+            entry.leases += 1
+            if entry.leases == 1 and entry.in_lru:
+                unlist(entry)
+
+    def unlease_all(self, entries: list[Entry]) -> None:
+        """unlease of each entry (a lease on a request's pages is given back page by page, for every page
+        loaded or prefetched: one loop here, not a call a page)."""
+        update = self.update
+        for entry in entries:
+            entry.leases -= 1
+            if not entry.leases:
+                update(entry)
+
+    def leading_live(self, ns: str, entries: list[Entry], state: str) -> int:
+        """How many of the leading `entries` (all of namespace `ns`) are still in the index, in `state`."""
+        d = self._by_ns.get(ns, _NO_ENTRIES)
+        n = 0
+        for entry in entries:
+            if entry.state != state or d.get(entry.key) is not entry:
+                break
+            n += 1
+        return n
+
+    # Eviction and slab rebalancing.
+
+    def _evict(self, cls: SizeClass, n: int) -> list[int]:
+        """Evicts up to `n` of the least recently used pages of `cls` and hands their slots over as they
+        are (still counted as used): remove() + free() + alloc() in one step, as it runs for every page a
+        full pool takes in."""
+        lru = self._lru.get(cls)
+        if not lru:
+            return []
+        n = min(n, len(lru))
+        pop, by_ns, by_offset = lru.popitem, self._by_ns, self._by_offset
+        victims = []
+        out = []
+        for _ in range(n):
+            _, victim = pop(last=False)
+            victim.in_lru = False
+            del by_ns[victim.ns][victim.key]  # evictable means clean: never in self.dirty
+            del by_offset[victim.offset]
+            victims.append(victim)
+            out.append(victim.offset)
+        self.on_remove(victims)
+        self._count -= n
+        self.evictable_bytes -= n * cls.slot_bytes
+        self.counters["evictions"] += n
+        return out
+
+    def _steal_slab(self, cls: SizeClass, share: int) -> bool:
+        """Take a whole slab of evictable pages from the class holding the most slabs above its share."""
+        victims = sorted(
+            (c for c in self.alloc.classes.values() if c is not cls and len(c.slabs) > share),
+            key=lambda c: len(c.slabs),
+            reverse=True,
+        )
+        for victim in victims:
+            lru = self._lru.get(victim)
+            tried: set[int] = set()
+            for entry in list(itertools.islice(lru.values(), _STEAL_CANDIDATES)) if lru else ():
+                slab = self.alloc.slab_of(entry.offset)
+                if slab in tried:
+                    continue
+                tried.add(slab)
+                residents = [self._by_offset.get(o) for o in self.alloc.slots_of(slab)]
+                if all(e is None or e.evictable for e in residents):
+                    for e in residents:
+                        if e is not None:
+                            self.remove(e)
+                            self.counters["evictions"] += 1
+                    self.alloc.move_slab(slab, cls)
+                    self.counters["slab_moves"] += 1
+                    return True
+        return False
+
+    def reclaimable_fraction(self) -> float:
+        """Share of the pool that is free or could be evicted now (write-back flushes below a watermark)."""
+        free = len(self.alloc.free_slabs) * self.alloc.slab_bytes
+        free += sum(len(c.free) * c.slot_bytes for c in self.alloc.classes.values())
+        return (free + self.evictable_bytes) / self.alloc.capacity
+
+    def stats(self) -> dict:
+        """Counts of the index, exact: the states, pins and leases from one walk over every entry."""
+        return self._stats(_tally(self.entries.values()))
+
+    async def stats_sliced(self, per_slice: int = _STATS_SLICE) -> dict:
+        """stats() for a running daemon (`ctl stats`, an engine's `stats`): the walk over the entries, of a
+        copy of each namespace's list taken first, yields to the event loop every `per_slice` entries. An
+        entry that changes meanwhile is counted as it was when the walk reached it."""
+        totals = [0] * 5
+        for entries in [list(d.values()) for d in list(self._by_ns.values())]:
+            for start in range(0, len(entries), per_slice):
+                totals = [
+                    a + b for a, b in zip(totals, _tally(entries[start : start + per_slice]), strict=True)
+                ]
+                await asyncio.sleep(0)
+        return self._stats(totals)
+
+    def _stats(self, tally: list[int]) -> dict:
+        ready, writing, filling, pinned, leased = tally
+        return {
+            "pages": self._count,
+            "ready": ready,
+            "writing": writing,
+            "filling": filling,
+            "dirty": self.dirty_pages,
+            "pinned": pinned,
+            "leased": leased,
+            "reserved": self.reserved,
+            "reserved_bytes": self.reserved_bytes,
+            "evictable_bytes": self.evictable_bytes,
+            "used_bytes": sum(c.used * c.slot_bytes for c in self.alloc.classes.values()),
+            "capacity_bytes": self.alloc.capacity,
+            **{k: v for k, v in self.counters.items()},
+            "slabs": self.alloc.stats(),
+        }

@@ -1,0 +1,388 @@
+"""CUDA regions on the daemon's side: an engine's CUDA tensor opened from the explicit IPC fields it sent,
+and one copy thread per device that owns a CUDA stream, pins the L2 pool in place once, and moves a batch
+of pages with few large copies. Imported only when a CUDA region arrives.
+
+A batch whose pages are scattered in the region (or split into segments) is gathered on the device into a
+page-major staging buffer with one kernel per segment, then crosses PCIe in one copy per run of adjacent
+pool slots; a load runs the other way. Each job records an event on the stream and the thread waits on it
+before the request's future completes (`call_soon_threadsafe`), so an answer means the bytes are there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hicached.common.errors import BAD_REQUEST, HicachedError
+from hicached.common.geometry import Geometry, plan
+from hicached.daemon.l2.pool import Pool
+from hicached.daemon.regions.jobs import Batch, Tracker, call_on_loop
+
+log = logging.getLogger("hicached.cuda")
+
+IPC_VERSION = 1
+PIN_CHUNK = 64 << 30  # the most cudaHostRegister is given at once
+STAGING_MAX = 256 << 20  # device staging buffer per device thread
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, not only the registering one's
+
+
+def unavailable() -> str | None:
+    """Why this process cannot serve CUDA regions, or None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed in the daemon's environment"
+    if not torch.cuda.is_available():
+        return "the daemon sees no CUDA device (torch.cuda.is_available() is False in the daemon)"
+    return None
+
+
+def normalize_uuid(value: str) -> str:
+    v = value.strip().lower()
+    return v[4:] if v.startswith("gpu-") else v
+
+
+def device_uuid(index: int) -> str:
+    """The device's UUID: what identifies it across processes (CUDA_VISIBLE_DEVICES renumbers indices)."""
+    import torch
+
+    return normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
+
+
+def find_device(uuid: str) -> int:
+    import torch
+
+    want = normalize_uuid(uuid)
+    seen = [device_uuid(i) for i in range(torch.cuda.device_count())]
+    if want not in seen:
+        raise HicachedError(
+            BAD_REQUEST, f"cuda.device_uuid {uuid!r} is not a device this daemon sees ({', '.join(seen)})"
+        )
+    return seen.index(want)
+
+
+_IPC_FIELDS: dict[str, type] = {
+    "device_uuid": str,
+    "ipc_handle": bytes,
+    "storage_bytes": int,
+    "storage_offset": int,
+    "ref_counter_handle": bytes,
+    "ref_counter_offset": int,
+    "event_handle": bytes,
+    "event_sync_required": bool,
+}
+
+
+def parse_ipc(value: Any) -> dict[str, Any]:
+    """The `cuda` fields of a region_attach request: explicit, versioned, never pickled."""
+    if not isinstance(value, dict):
+        raise HicachedError(BAD_REQUEST, "a CUDA region needs a `cuda` map of IPC fields")
+    if value.get("version") != IPC_VERSION:
+        got = value.get("version")
+        raise HicachedError(
+            BAD_REQUEST, f"cuda.version {got!r} is not supported (this daemon: {IPC_VERSION})"
+        )
+    out = {}
+    for name, kind in _IPC_FIELDS.items():
+        v = value.get(name)
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise HicachedError(BAD_REQUEST, f"cuda.{name} must be {kind.__name__}, got {type(v).__name__}")
+        if kind is int and v < 0:
+            raise HicachedError(BAD_REQUEST, f"cuda.{name} cannot be negative")
+        out[name] = v
+    if out["storage_bytes"] <= 0:
+        raise HicachedError(BAD_REQUEST, "cuda.storage_bytes must be positive")
+    return out
+
+
+def slot_runs(slots: list[int], page_bytes: int) -> list[tuple[int, int, int]]:
+    """(first page, pages, pool offset) for each run of pages whose slots follow each other."""
+    runs: list[tuple[int, int, int]] = []
+    for k, off in enumerate(slots):
+        if runs:
+            first, n, start = runs[-1]
+            if start + n * page_bytes == off:
+                runs[-1] = (first, n + 1, start)
+                continue
+        runs.append((k, 1, off))
+    return runs
+
+
+def copy_pages(
+    dev: Any,
+    host: Any,
+    geom: Geometry,
+    pages: list[int],
+    slots: list[int],
+    to_pool: bool,
+    staging: Callable[[int], Any],
+    non_blocking: bool,
+) -> int:
+    """Issue the copies of one batch between `dev` (the region, 1-D uint8) and `host` (the pool, 1-D uint8)
+    on the current stream; returns the bytes moved. Plain torch: it runs on CPU tensors too (tests)."""
+    import torch
+
+    p = plan(geom, pages, slots)
+    P = geom.page_bytes
+    runs = slot_runs(slots, P)
+    if len(p) <= len(runs):
+        # Already as few copies as there are runs of slots (big pages, or neighbours in both places).
+        for r, q, n in zip(p.region_off.tolist(), p.pool_off.tolist(), p.length.tolist(), strict=True):
+            if to_pool:
+                host[q : q + n].copy_(dev[r : r + n], non_blocking=non_blocking)
+            else:
+                dev[r : r + n].copy_(host[q : q + n], non_blocking=non_blocking)
+        return p.nbytes
+    base = dev.storage_offset()
+    rows = [dev.as_strided((geom.num_pages, s.length), (s.stride, 1), base + s.offset) for s in geom.segments]
+    within = [sum(s.length for s in geom.segments[:j]) for j in range(len(geom.segments))]
+    per = max(1, STAGING_MAX // P)
+    for c0 in range(0, len(pages), per):
+        c1 = min(len(pages), c0 + per)
+        m = c1 - c0
+        flat = staging(m * P)[: m * P]
+        st = flat.view(m, P)
+        idx = torch.tensor(pages[c0:c1], dtype=torch.int64).to(dev.device)
+        chunk = slot_runs(slots[c0:c1], P)
+        if to_pool:
+            if len(rows) == 1:
+                torch.index_select(rows[0], 0, idx, out=st)
+            else:
+                for row, w, s in zip(rows, within, geom.segments, strict=True):
+                    st[:, w : w + s.length].copy_(row.index_select(0, idx))
+            for k, n, q in chunk:
+                host[q : q + n * P].copy_(flat[k * P : (k + n) * P], non_blocking=non_blocking)
+        else:
+            for k, n, q in chunk:
+                flat[k * P : (k + n) * P].copy_(host[q : q + n * P], non_blocking=non_blocking)
+            for row, w, s in zip(rows, within, geom.segments, strict=True):
+                row.index_copy_(0, idx, st[:, w : w + s.length])
+    return p.nbytes
+
+
+def take_last_error() -> None:
+    """Clear this thread's last CUDA runtime error. torch's cudart bindings hand cudaHostRegister's error
+    back without clearing it, and torch checks every kernel launch with cudaGetLastError(): the next launch
+    on this thread (a gather for a store) would fail with it. A launch here takes it instead."""
+    import torch
+
+    try:
+        torch.ones(1, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    except RuntimeError:
+        pass
+
+
+Done = Callable[[Any, str | None], None]
+
+
+class _Device(threading.Thread):
+    """The copy thread of one device: owns its stream and staging buffer; runs jobs one at a time."""
+
+    def __init__(self, owner: CudaCopier, index: int) -> None:
+        super().__init__(name=f"hicached-cuda{index}", daemon=True)
+        self.owner = owner
+        self.index = index
+        self.jobs: queue.SimpleQueue[tuple[Callable[[_Device], Any], Done] | None] = queue.SimpleQueue()
+        self._staging: Any = None
+
+    def staging(self, nbytes: int) -> Any:
+        import torch
+
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # give the old one back before asking for a bigger one
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.index))
+        return self._staging
+
+    def run(self) -> None:
+        import torch
+
+        try:
+            torch.cuda.set_device(self.index)  # creates the device's context: can fail (memory, compute mode)
+            stream = torch.cuda.Stream(device=self.index)
+        except Exception as e:
+            why = f"CUDA device {self.index} could not be set up in the daemon: {type(e).__name__}: {e}"
+            log.error("%s; its regions are refused", why)
+            while (item := self.jobs.get()) is not None:  # answer every job, or its request waits forever
+                item[1](None, why)
+                item = None
+            return
+        tracker = self.owner.tracker
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                break
+            fn, done = item
+            item = None
+            jid = tracker.start()
+            result, error = None, None
+            try:
+                with torch.cuda.stream(stream):
+                    result = fn(self)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"  # a string: a traceback would pin the region's tensor
+            try:
+                # Also after a failure: copies the job issued before it failed may still run, and the
+                # answer gives their slots (aborted store, released lease) and pages back at once.
+                event = torch.cuda.Event()
+                event.record(stream)
+                event.synchronize()
+            except Exception as e:
+                error = error or f"{type(e).__name__}: {e}"
+            tracker.end(jid, result if isinstance(result, int) else 0, error is None)
+            done(result, error)
+            fn = done = result = None  # drop references to the region before waiting for the next job
+        self._staging = None
+        stream.synchronize()
+
+
+class CudaCopier:
+    """CUDA regions of every device; one `_Device` thread each, started on first use."""
+
+    def __init__(self, pool: Pool, tracker: Tracker) -> None:
+        import torch
+
+        self.pool = pool
+        self.tracker = tracker
+        self.host: Any = torch.frombuffer(pool.mm, dtype=torch.uint8)
+        self.devices: dict[int, _Device] = {}
+        self._pin_lock = threading.Lock()
+        self._pin_tried = False
+        self._pinned: list[int] = []
+
+    def _device(self, index: int) -> _Device:
+        d = self.devices.get(index)
+        if d is None:
+            d = self.devices[index] = _Device(self, index)
+            d.start()
+        return d
+
+    def ensure_pinned(self) -> None:
+        """Pin the L2 pool in place, once, in chunks (on a device thread: it takes a while for a big pool).
+        Never pin_memory(): that copies, and the caching allocator rounds sizes up to a power of two."""
+        import torch
+
+        with self._pin_lock:
+            if self._pin_tried:
+                return
+            self._pin_tried = True
+            cudart = torch.cuda.cudart()
+            ptr, size = self.host.data_ptr(), self.pool.size
+            for off in range(0, size, PIN_CHUNK):
+                n = min(PIN_CHUNK, size - off)
+                err = cudart.cudaHostRegister(ptr + off, n, CUDA_HOST_REGISTER_PORTABLE)
+                if int(err) != 0:
+                    log.warning(
+                        "could not pin the L2 pool for CUDA copies (cudaHostRegister: error %d); copies "
+                        "will go through the driver's bounce buffers, slower",
+                        int(err),
+                    )
+                    self._unpin()
+                    take_last_error()
+                    return
+                self._pinned.append(ptr + off)
+            log.info("pinned the L2 pool (%d bytes) for CUDA copies", size)
+
+    def _unpin(self) -> None:
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for ptr in self._pinned:
+            cudart.cudaHostUnregister(ptr)
+        self._pinned.clear()
+
+    def _call(self, index: int, fn: Callable[[_Device], Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: str | None) -> None:
+            if not fut.done():
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(HicachedError(BAD_REQUEST, error))
+
+        def done(result: Any, error: str | None) -> None:
+            call_on_loop(loop, settle, result, error)
+
+        self._device(index).jobs.put((fn, done))
+        return fut
+
+    async def open(self, req: dict[str, Any], offset: int, nbytes: int) -> tuple[int, Any]:
+        """(device index, 1-D uint8 tensor over the engine's region), opened on the device's thread."""
+        f = parse_ipc(req)
+        index = await asyncio.to_thread(find_device, f["device_uuid"])  # may initialise CUDA: off the loop
+        if offset + nbytes > f["storage_bytes"]:
+            raise HicachedError(
+                BAD_REQUEST,
+                f"offset + nbytes ({offset + nbytes}) is past the end of the CUDA storage "
+                f"({f['storage_bytes']} bytes)",
+            )
+        counter = "/dev/shm/" + f["ref_counter_handle"].decode(errors="replace").lstrip("/")
+        if not os.access(counter, os.R_OK | os.W_OK):
+            # torch gives the export's reference back from here when the region goes, in a file its owner
+            # made 0600: without access the engine's allocator never gets the tensor's memory back.
+            log.warning(
+                "cannot update the engine's CUDA IPC reference count (%s): once unregistered and freed, "
+                "this region's GPU memory stays reserved in the engine (run the daemon as its user)",
+                counter,
+            )
+
+        def open_ipc(d: _Device) -> Any:
+            import torch
+
+            self.ensure_pinned()
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index,
+                f["ipc_handle"],
+                f["storage_bytes"],
+                f["storage_offset"],
+                f["ref_counter_handle"],
+                f["ref_counter_offset"],
+                f["event_handle"],
+                f["event_sync_required"],
+            )
+            whole = torch.empty((0,), dtype=torch.uint8, device=torch.device("cuda", index))
+            whole.set_(storage, 0, (f["storage_bytes"],), (1,))
+            return whole[offset : offset + nbytes]
+
+        try:
+            tensor = await self._call(index, open_ipc)
+        except HicachedError as e:
+            raise HicachedError(
+                BAD_REQUEST, f"could not open the CUDA region on device {f['device_uuid']}: {e.message}"
+            ) from None
+        return index, tensor
+
+    def copy(
+        self, region: Any, to_pool: bool, geom: Geometry, pages: list[int], slots: list[int], batch: Batch
+    ) -> None:
+        tensor, host = region.tensor, self.host
+
+        def job(d: _Device) -> int:
+            self.ensure_pinned()
+            return copy_pages(tensor, host, geom, pages, slots, to_pool, d.staging, True)
+
+        self._device(region.device).jobs.put((job, lambda result, error: batch.job_done(error)))
+
+    def release(self, region: Any) -> None:
+        """Drop the region's tensor on its device's thread (closing the IPC mapping there)."""
+        held = [region.tensor]
+        region.tensor = None
+        self._device(region.device).jobs.put((lambda d: held.clear(), lambda result, error: None))
+
+    def close(self) -> None:
+        """Blocking: let every device thread finish its queue, then unpin the pool."""
+        for d in self.devices.values():
+            d.jobs.put(None)
+        for d in self.devices.values():
+            d.join(timeout=60)
+            if d.is_alive():
+                log.error("CUDA copy thread of device %d did not stop; leaving the pool pinned", d.index)
+                return
+        self._unpin()
+        self.host = None

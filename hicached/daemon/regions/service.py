@@ -1,0 +1,356 @@
+"""Engine memory regions: registering them (a sealed memfd passed with SCM_RIGHTS, or a CUDA tensor's IPC
+fields), unregistering them when their connection closes, and the store_pages / load_pages requests that
+copy a batch of pages between a region and L2 through the copy executor.
+
+A store is `Tiers.alloc` -> copy region -> slots -> `Tiers.commit` (abort on a failed copy); a load is
+`Tiers.acquire` (reading L3 as needed) -> copy slots -> region -> `Tiers.release`: leases, backups and
+prefetch keep one implementation. A copy cannot be stopped once a thread runs it, so the slots, leases and
+mappings a copy uses are only given back after it ended, even when its connection closed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hicached.common.errors import BAD_REQUEST, NO_SPACE, NOT_FOUND, HicachedError
+from hicached.common.geometry import Geometry, check_pages, parse_geometry
+from hicached.common.keys import check_keys
+from hicached.common.memfd import check_sealed_fd
+from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, arg, keys_arg
+from hicached.config import Config
+from hicached.daemon.regions.copier import Copier
+from hicached.daemon.sched.tiers import Session, Tiers
+
+log = logging.getLogger("hicached.regions")
+
+KINDS = ("host", "cuda")
+
+
+class Region:
+    """One registered region: its geometry, and the memory it maps (host) or opened (CUDA)."""
+
+    def __init__(self, handle: int, kind: str, geom: Geometry, nbytes: int) -> None:
+        self.handle = handle
+        self.kind = kind
+        self.geom = geom
+        self.nbytes = nbytes
+        self.users = 0  # copies running on it
+        self.closed = False  # unregistered: released once `users` drops to 0
+        self.released = False
+        self.mm: mmap.mmap | None = None
+        self.array: np.ndarray | None = None  # host: uint8 view of the region's bytes
+        self.device: int | None = None  # cuda: device index in this process
+        self.tensor: Any = None  # cuda: uint8 tensor over the region
+
+    def unmap(self) -> None:
+        self.array = None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                log.warning("region %d still has views; it stays mapped until they go", self.handle)
+            self.mm = None
+
+
+@dataclass
+class SessionRegions:
+    """The regions of one connection, and the copies it has running."""
+
+    regions: dict[int, Region] = field(default_factory=dict)
+    bytes: int = 0  # registered, plus being registered
+    opening: int = 0
+    inflight: int = 0
+    closing: bool = False
+    session: Session | None = None
+    after: Callable[[Session], None] | None = None
+
+
+def check_fd(fd: int, min_size: int) -> None:
+    """bad_request unless `fd` is a memfd sealed against shrinking, of at least `min_size` bytes."""
+    try:
+        check_sealed_fd(fd, min_size)
+    except ValueError as e:
+        raise HicachedError(BAD_REQUEST, f"region refused: {e}") from None
+    except OSError as e:
+        raise HicachedError(BAD_REQUEST, f"region refused: cannot inspect its fd ({e.strerror})") from None
+
+
+def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map an engine's memfd shared, read-write, after checking it cannot shrink under us (a shrink would
+    make our next access SIGBUS). Blocking: prefaulting a big region takes a while."""
+    check_fd(fd, offset + nbytes)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        mm = mmap.mmap(
+            fd,
+            offset + nbytes - start,
+            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=start,
+        )
+    except OSError as e:
+        raise HicachedError(
+            BAD_REQUEST, f"region refused: cannot map it read-write ({e.strerror}); pass an fd opened O_RDWR"
+        ) from None
+    if hasattr(mmap, "MADV_DONTDUMP"):
+        mm.madvise(mmap.MADV_DONTDUMP)
+    return mm, np.frombuffer(mm, dtype=np.uint8)[offset - start :]
+
+
+class RegionService:
+    """The region requests of every connection; `cfg()` gives the configuration in force (reloads)."""
+
+    def __init__(self, cfg: Callable[[], Config], tiers: Tiers) -> None:
+        self.cfg = cfg
+        self.tiers = tiers
+        self.copier = Copier(tiers.pool, cfg().regions.copy_threads)
+        self.count = 0
+        self.nbytes = 0
+        self.inflight = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._idle: asyncio.Event | None = None
+
+    # Registration.
+
+    def _state(self, s: Session) -> SessionRegions:
+        if s.regions is None:
+            s.regions = SessionRegions(session=s)
+        return s.regions
+
+    async def attach(self, s: Session, req: dict[str, Any], fd: int | None) -> dict[str, Any]:
+        """Register a region for session `s`. The caller keeps ownership of `fd` (and closes it)."""
+        s.require_hello()
+        kind = arg(req, "kind", str)
+        if kind not in KINDS:
+            raise HicachedError(BAD_REQUEST, f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if fd is not None:
+            check_fd(fd, 0)  # say first that memory which could shrink is refused, whatever else is wrong
+        nbytes = arg(req, "nbytes", int)
+        offset = arg(req, "offset", int, 0)
+        if nbytes <= 0 or offset < 0:
+            raise HicachedError(BAD_REQUEST, "nbytes must be positive and offset not negative")
+        geom = parse_geometry(req, nbytes)
+        if geom.page_bytes != s.page_bytes:
+            raise HicachedError(
+                BAD_REQUEST, f"page_bytes is {geom.page_bytes}; this connection's pages are {s.page_bytes}"
+            )
+        if kind == "host" and fd is None:
+            raise HicachedError(
+                BAD_REQUEST,
+                "a host region's memfd must come with region_attach as the first frame of a connection of "
+                "its own (SCM_RIGHTS); see hicached.common.protocol",
+            )
+        if kind == "cuda" and fd is not None:
+            raise HicachedError(BAD_REQUEST, "a CUDA region is named by its IPC fields; it carries no fd")
+        st = self._state(s)
+        limits = self.cfg().regions
+        if len(st.regions) + st.opening >= limits.max_per_connection:
+            n = limits.max_per_connection
+            raise HicachedError(NO_SPACE, f"this connection has {n} regions (regions.max_per_connection)")
+        if st.bytes + nbytes > limits.max_bytes_per_connection:
+            raise HicachedError(
+                NO_SPACE,
+                f"registering {nbytes} more bytes would pass regions.max_bytes_per_connection "
+                f"({limits.max_bytes_per_connection}); {st.bytes} are registered",
+            )
+        region = Region(next(s.ids), kind, geom, nbytes)
+        st.opening += 1
+        st.bytes += nbytes
+        try:
+            if kind == "host":
+                loop = asyncio.get_running_loop()
+                region.mm, region.array = await loop.run_in_executor(None, map_host, fd, offset, nbytes)
+            else:
+                loop = asyncio.get_running_loop()
+                cuda = await loop.run_in_executor(None, self.copier.cuda)  # imports torch, starts CUDA
+                region.device, region.tensor = await cuda.open(req.get("cuda"), offset, nbytes)
+        except BaseException:
+            st.bytes -= nbytes
+            raise
+        finally:
+            st.opening -= 1
+        self.count += 1
+        self.nbytes += nbytes
+        if st.closing:  # the connection closed while we opened the region
+            self._release(region, st)
+            raise HicachedError(NOT_FOUND, "the connection this region was registered for has closed")
+        st.regions[region.handle] = region
+        self.counters[f"attached.{kind}"] += 1
+        log.debug("region %d (%s, %d bytes) for %s", region.handle, kind, nbytes, s.peer)
+        return {"handle": region.handle, "num_pages": geom.num_pages, "nbytes": nbytes}
+
+    def detach(self, s: Session, handle: int) -> None:
+        st = s.regions
+        region = st.regions.pop(handle, None) if st is not None else None
+        if region is None:
+            raise HicachedError(NOT_FOUND, f"no region {handle} on this connection")
+        region.closed = True
+        if region.users == 0:
+            self._release(region, st)
+
+    def _release(self, region: Region, st: SessionRegions) -> None:
+        if region.released:
+            return
+        region.released = True
+        if region.kind == "host":
+            region.unmap()
+        else:
+            self.copier.release(region)
+        st.bytes -= region.nbytes
+        self.count -= 1
+        self.nbytes -= region.nbytes
+
+    def close_session(self, s: Session, after: Callable[[Session], None]) -> None:
+        """The connection closed: unregister its regions and call `after(s)` (which releases its slots and
+        leases), both once no copy of this connection runs any more."""
+        st = s.regions
+        if st is None:
+            after(s)
+            return
+        st.closing = True  # a region still being opened is released as soon as it is
+        st.after = after
+        for region in st.regions.values():
+            region.closed = True
+        if st.inflight == 0:
+            self._finish(st)
+
+    def _finish(self, st: SessionRegions) -> None:
+        for region in list(st.regions.values()):
+            if region.users == 0:
+                self._release(region, st)
+        st.regions.clear()
+        after, st.after = st.after, None
+        if after is not None and st.session is not None:
+            after(st.session)
+
+    # Copies.
+
+    def _lookup(self, s: Session, req: dict[str, Any], unique: bool) -> tuple[Region, list[int], list[str]]:
+        s.require_hello()
+        handle = arg(req, "handle", int)
+        region = s.regions.regions.get(handle) if s.regions is not None else None
+        if region is None:
+            raise HicachedError(NOT_FOUND, f"no region {handle} on this connection")
+        if region.geom.page_bytes != s.page_bytes:
+            raise HicachedError(
+                BAD_REQUEST,
+                f"region {handle} holds pages of {region.geom.page_bytes} bytes; this connection now uses "
+                f"{s.page_bytes}",
+            )
+        try:
+            keys = list(check_keys(keys_arg(req, self.cfg().server.max_keys_per_request)))
+        except ValueError as e:
+            raise HicachedError(BAD_REQUEST, str(e)) from None
+        pages = check_pages(req.get("page_indices"), region.geom, len(keys), unique)
+        return region, pages, keys
+
+    def _start_copy(
+        self, s: Session, region: Region, to_pool: bool, pages: list[int], slots: list[int]
+    ) -> asyncio.Future[None]:
+        if region.closed:
+            raise HicachedError(NOT_FOUND, f"region {region.handle} was unregistered")
+        fut = self.copier.copy(region, to_pool, region.geom, pages, slots)
+        st = s.regions
+        st.inflight += 1
+        region.users += 1
+        self.inflight += 1
+        fut.add_done_callback(lambda f: self._copied(f, st, region))
+        return fut
+
+    def _copied(self, fut: asyncio.Future[None], st: SessionRegions, region: Region) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self.counters["copy_errors"] += 1  # also marks the error retrieved when nobody awaits it now
+        st.inflight -= 1
+        region.users -= 1
+        self.inflight -= 1
+        if region.closed and region.users == 0:
+            self._release(region, st)
+        if st.closing and st.inflight == 0:
+            self._finish(st)
+        if self.inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def store_pages(self, s: Session, req: dict[str, Any]) -> dict[str, Any]:
+        region, pages, keys = self._lookup(s, req, unique=False)
+        status, offsets = self.tiers.alloc(s, keys)
+        result = [st == ALLOC_PRESENT for st in status]
+        todo = [i for i, st in enumerate(status) if st == ALLOC_WRITE]
+        if not todo:
+            return {"ok": result}
+        # Out of the engine's reach until the copy ended: an abort, commit or hello meanwhile would free
+        # the slots (or make them evictable) while the copy still writes into them.
+        held = self.tiers.hold_writing(s, [keys[i] for i in todo])
+        try:
+            fut = self._start_copy(s, region, True, [pages[i] for i in todo], [offsets[i] for i in todo])
+            # Shielded: a cancelled request (its connection closed) must not forget a copy still running.
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            raise  # the connection closed: its slots go once the copy has ended (close_session)
+        except BaseException:
+            self.tiers.abort_held(s, held)
+            raise
+        self.tiers.commit_held(s, held)
+        for i in todo:
+            result[i] = True
+        self.counters["store_pages"] += len(todo)
+        return {"ok": result}
+
+    async def load_pages(self, s: Session, req: dict[str, Any]) -> dict[str, Any]:
+        region, pages, keys = self._lookup(s, req, unique=True)
+        lease, offsets = await self.tiers.acquire(s, keys, arg(req, "fetch", bool, True))
+        if not offsets:
+            return {"n": 0}
+        n = len(offsets)
+        self.tiers.hold_lease(s, lease)  # an engine's release of it meanwhile would free slots under the copy
+        try:
+            await asyncio.shield(self._start_copy(s, region, False, pages[:n], offsets))
+        except asyncio.CancelledError:
+            raise  # the connection closed: its lease goes once the copy has ended (close_session)
+        except BaseException:
+            self.tiers.release_held(s, lease)
+            raise
+        self.tiers.release_held(s, lease)
+        self.counters["load_pages"] += n
+        return {"n": n}
+
+    # Wiring.
+
+    def handlers(self) -> dict[str, Callable[[Session, dict[str, Any]], Any]]:
+        def detach(s: Session, req: dict[str, Any]) -> dict:
+            self.detach(s, arg(req, "handle", int))
+            return {}
+
+        return {
+            "region_attach": lambda s, req: self.attach(s, req, None),
+            "region_detach": detach,
+            "store_pages": self.store_pages,
+            "load_pages": self.load_pages,
+        }
+
+    async def close(self, timeout: float) -> None:
+        """Wait (bounded) for copies in flight, then stop the copy threads and let go of the pool."""
+        if self.inflight:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                log.error("%d region copies still running at shutdown; not waiting for them", self.inflight)
+                return
+        await asyncio.to_thread(self.copier.close)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "bytes": self.nbytes,
+            "inflight": self.inflight,
+            "counters": dict(self.counters),
+            "copier": self.copier.stats(),
+        }

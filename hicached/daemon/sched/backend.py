@@ -1,0 +1,256 @@
+"""The attached L3 backend: every call to it goes through here, which times it, counts it, tracks what is
+in flight (so a swap can drain the old backend), and trips a circuit breaker after repeated failures.
+
+Swap: the new connector is started and probed first; then new work goes to it at once, calls in flight
+on the old one finish (bounded by storage.drain_timeout) and the old one is closed. Breaker: after
+storage.breaker.failures consecutive failed calls the backend is detached, the daemon serves from L2, and
+the backend is probed with backoff until it answers, then re-attached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from hicached.common.retry import Backoff
+from hicached.config import Config
+from hicached.connectors.base import BackendError, BackendUnavailable, Connector
+
+log = logging.getLogger("hicached.backend")
+
+T = TypeVar("T")
+
+# Upper bounds of the latency histogram buckets, in seconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _Pending:
+    """Stands in `Backend.tripped` while the configured backend has not started yet."""
+
+    name = "pending"
+
+    def __init__(self, error: BackendError) -> None:
+        self.error = error
+
+    async def close(self) -> None:
+        """Nothing to release: no connector was built."""
+
+
+class Histogram:
+    __slots__ = ("counts", "sum", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        i = 0
+        while i < len(LATENCY_BUCKETS) and seconds > LATENCY_BUCKETS[i]:
+            i += 1
+        self.counts[i] += 1
+        self.sum += seconds
+        self.count += 1
+
+
+class Backend:
+    def __init__(self, cfg: Config, counters: collections.Counter[str]) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.current: Connector | None = None
+        self.tripped: Connector | None = None  # detached by the breaker, being probed
+        self.latency: dict[tuple[str, str], Histogram] = collections.defaultdict(Histogram)
+        self._inflight: collections.Counter[int] = collections.Counter()
+        self._idle: dict[int, asyncio.Event] = {}
+        self._failures = 0
+        self._probe_task: asyncio.Task[None] | None = None
+        # Bumped when a connector to another store (Connector.location) is attached: what the pages in L2
+        # know of being in L3, and writes in flight to the old store, say nothing of the new one.
+        self.epoch = 0
+        self._location: tuple | None = None
+        # Called with the connector after it is attached (by a swap or a re-attach): the tiers queue the
+        # pages in L2 that are not in L3 yet.
+        self.on_attach: Callable[[Connector], None] = lambda c: None
+        self.on_detach: Callable[[], None] = lambda: None
+
+    @property
+    def name(self) -> str:
+        return self.current.name if self.current else "none"
+
+    @property
+    def state(self) -> str:
+        if self.current is not None:
+            return "attached"
+        if isinstance(self.tripped, _Pending):
+            return "starting"
+        return "breaker_open" if self.tripped is not None else "detached"
+
+    async def call(self, op: str, fn: Callable[[Connector], Awaitable[T]]) -> T:
+        """Runs `fn` on the current connector, bounded by storage.operation_timeout."""
+        conn = self.current
+        if conn is None:
+            raise BackendUnavailable("none", "no L3 backend is attached", "detached")
+        key = id(conn)
+        self._inflight[key] += 1
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.cfg.storage.operation_timeout):
+                result = await fn(conn)
+        except TimeoutError:
+            self._failure(conn, "timeout")
+            raise BackendUnavailable(conn.name, f"{op} did not finish in time", "timeout") from None
+        except BackendError as e:
+            self._failure(conn, e.reason)
+            raise
+        else:
+            self._failures = 0
+            return result
+        finally:
+            self.latency[(conn.name, op)].observe(time.perf_counter() - start)
+            self._inflight[key] -= 1
+            if not self._inflight[key]:
+                del self._inflight[key]
+                ev = self._idle.pop(key, None)
+                if ev is not None:
+                    ev.set()
+
+    def note_location(self, conn: Connector) -> None:
+        location = conn.location()
+        if location != self._location:
+            if self._location is not None:
+                self.epoch += 1
+            self._location = location
+
+    def _failure(self, conn: Connector, reason: str) -> None:
+        self.counters[f"backend.failures.{conn.name}.{reason}"] += 1
+        if conn is not self.current:
+            return
+        self._failures += 1
+        if self._failures >= self.cfg.storage.breaker.failures:
+            self.counters["backend.breaker_trips"] += 1
+            log.error(
+                "L3 backend %s failed %d calls in a row (last: %s); detached: serving from L2, probing it",
+                conn.name,
+                self._failures,
+                reason,
+            )
+            self._failures = 0
+            self.current = None
+            self.tripped = conn
+            self.on_detach()
+            self._probe_task = asyncio.get_running_loop().create_task(
+                self._until_usable(conn, lambda: self._reprobe(conn))
+            )
+
+    async def _reprobe(self, conn: Connector) -> Connector:
+        await conn.probe(timeout=self.cfg.storage.operation_timeout)
+        return conn
+
+    def attach_when_ready(self, factory: Callable[[], Connector], first_error: BackendError) -> None:
+        """The configured backend could not start: serve from L2 and keep trying to build, start and
+        probe a new connector with backoff; attach the first one that answers."""
+        token = self.tripped = _Pending(first_error)
+
+        async def fresh() -> Connector:
+            conn = factory()
+            try:
+                await conn.start()
+                await conn.probe(timeout=self.cfg.storage.operation_timeout)
+            except BaseException:
+                await conn.close()
+                raise
+            return conn
+
+        self._probe_task = asyncio.get_running_loop().create_task(self._until_usable(token, fresh))
+
+    async def _until_usable(self, token: object, attempt_fn: Callable[[], Awaitable[Connector]]) -> None:
+        """Calls `attempt_fn` with backoff while `token` is what `tripped` holds; attaches what it returns."""
+        br = self.cfg.storage.breaker
+        backoff = Backoff(attempts=1 << 30, base=br.probe_interval, max=br.probe_max_interval, jitter=0.1)
+        attempt = 1
+        while self.tripped is token:
+            await asyncio.sleep(backoff.delay(attempt))
+            attempt += 1
+            try:
+                conn = await attempt_fn()
+            except (BackendError, OSError) as e:
+                self.counters["backend.probe_failures"] += 1
+                log.debug("backend still not usable: %s", e)
+                continue
+            if self.tripped is not token or self.current is not None:
+                if conn is not token:
+                    await conn.close()
+                return
+            log.info("L3 backend %s answers; attached", conn.name)
+            self.tripped = None
+            self.note_location(conn)
+            self.current = conn
+            self.counters["backend.reattached"] += 1
+            self.on_attach(conn)
+            return
+
+    async def _stop_probing(self) -> None:
+        self.tripped = None
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+            self._probe_task = None
+
+    async def attach(self, new: Connector | None, probe: bool = True) -> None:
+        """Makes `new` (already started) the backend; the old one drains and is closed. With `probe`, the
+        new one must first pass a write/read/delete probe, or it is closed and BackendError is raised."""
+        if new is not None and probe:
+            try:
+                await new.probe(timeout=self.cfg.storage.operation_timeout)
+            except BaseException:
+                await new.close()
+                raise
+        old = self.current or (self.tripped if isinstance(self.tripped, Connector) else None)
+        await self._stop_probing()
+        if new is not None:
+            self.note_location(new)
+        self.current = new
+        self._failures = 0
+        if new is None:
+            self.on_detach()
+        else:
+            self.on_attach(new)
+        if old is not None and old is not new:
+            await self._drain_and_close(old)
+
+    async def _drain_and_close(self, old: Connector) -> None:
+        key = id(old)
+        if self._inflight.get(key):
+            ev = self._idle.setdefault(key, asyncio.Event())
+            try:
+                async with asyncio.timeout(self.cfg.storage.drain_timeout):
+                    await ev.wait()
+            except TimeoutError:
+                log.warning(
+                    "backend %s still had %d calls in flight after %.0fs; closing it anyway",
+                    old.name,
+                    self._inflight.get(key, 0),
+                    self.cfg.storage.drain_timeout,
+                )
+        await old.close()
+
+    async def close(self) -> None:
+        tripped = self.tripped if isinstance(self.tripped, Connector) else None
+        await self._stop_probing()
+        if tripped is not None:
+            await tripped.close()
+        old, self.current = self.current, None
+        if old is not None:
+            await self._drain_and_close(old)
+
+    def stats(self) -> dict:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "inflight": sum(self._inflight.values()),
+            "counters": dict(self.current.counters) if self.current else {},
+        }

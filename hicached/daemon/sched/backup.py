@@ -1,0 +1,235 @@
+"""Backup: coroutines that write dirty L2 pages to L3, with a concurrency limit, batches, and retries.
+
+Write-through queues a page as soon as it is committed; write-back queues the oldest dirty pages when the
+pool runs short of reclaimable space, and everything on shutdown. A page that cannot be written after the
+configured attempts is counted and logged once per batch; it then stops holding its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable
+from itertools import groupby
+
+from hicached.common.retry import Backoff
+from hicached.connectors.base import BackendError
+from hicached.daemon.l2.index import READY, Entry, PageIndex
+from hicached.daemon.l2.pool import Pool
+from hicached.daemon.sched.backend import Backend
+
+log = logging.getLogger("hicached.backup")
+
+_BUSY_POLL_S = 0.002  # how often a worker held back by busy engines looks again
+_DEFER_POLL_S = 0.01  # how often a worker deferring to busy engines looks whether they paused
+
+
+class Backup:
+    def __init__(
+        self,
+        index: PageIndex,
+        pool: Pool,
+        backend: Backend,
+        counters: collections.Counter[str],
+        concurrency: int,
+        batch_pages: int,
+        batch_bytes: int,
+        queue_pages: int,
+        backoff: Backoff,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.backend = backend  # read at every attempt, so queued work retargets to a swapped backend
+        self.counters = counters
+        self.concurrency = concurrency
+        self.batch_pages = batch_pages
+        self.batch_bytes = batch_bytes
+        self.queue_pages = queue_pages
+        self.backoff = backoff
+        self._queue: collections.deque[tuple[float, Entry]] = collections.deque()  # (when queued, page)
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.inflight = 0
+        self.calls = 0  # backend calls in flight
+        # Calls allowed in flight right now (0: no limit besides concurrency); Tiers lowers it while engines
+        # are busy, so that background writes leave them the CPU.
+        self.allowed: Callable[[], int] = lambda: 0
+        # How long a page may wait, from when it was queued, for engines to pause before it is written
+        # anyway (0: not at all); Tiers sets it while engines are busy (storage.backup_defer).
+        self.defer: Callable[[], float] = lambda: 0.0
+        self._workers: list[asyncio.Task[None]] = []
+        # Pages given up after the attempts (not in L3, no longer held for it): a flush queues them again,
+        # since the backend may take them now (a disk freed), and answers False while any is left. Bounded
+        # by L2: Tiers drops a page from here when it leaves L2.
+        self.abandoned: set[Entry] = set()
+
+    @property
+    def pending(self) -> int:
+        """Pages queued or being written."""
+        return len(self._queue) + self.inflight
+
+    @property
+    def full(self) -> bool:
+        return self.pending >= self.queue_pages
+
+    def start(self) -> None:
+        self.resize(self.concurrency)
+
+    def resize(self, concurrency: int) -> None:
+        """Runs `concurrency` workers: more are started now, extra ones exit before their next batch."""
+        self.concurrency = concurrency
+        while len(self._workers) < concurrency:
+            self._workers.append(asyncio.create_task(self._worker(), name="backup"))
+        self._wakeup.set()
+
+    async def stop(self) -> None:
+        for t in self._workers:
+            t.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+
+    def submit(self, entry: Entry) -> None:
+        self.submit_many((entry,))
+
+    def submit_many(self, entries: Iterable[Entry]) -> None:
+        """Queues the dirty pages not queued yet: one clock reading and one wake-up for a request's pages."""
+        now, update, queue, n = time.monotonic(), self.index.update, self._queue, 0
+        for entry in entries:
+            if entry.queued or not entry.dirty:
+                continue
+            entry.queued = True
+            update(entry)
+            queue.append((now, entry))
+            n += 1
+        if n:
+            self._idle.clear()
+            self._wakeup.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Waits until nothing is queued or in flight; False if `timeout` passed first."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def _worker(self) -> None:
+        me = asyncio.current_task()
+        while True:
+            while not self._queue and len(self._workers) <= self.concurrency:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            if len(self._workers) > self.concurrency:
+                self._workers.remove(me)
+                self._wakeup.set()  # pass the news on to the next extra worker
+                return
+            allowed = self.allowed()
+            if allowed and self.calls >= allowed:
+                await asyncio.sleep(_BUSY_POLL_S)
+                continue
+            defer = self.defer()
+            if defer > 0 and (wait := self._queue[0][0] + defer - time.monotonic()) > 0:
+                await asyncio.sleep(min(wait, _DEFER_POLL_S))  # engines busy: wait for a pause, or the bound
+                continue
+            batch = [self._queue.popleft()[1]]
+            nbytes = batch[0].size
+            while (
+                self._queue
+                and len(batch) < self.batch_pages
+                and nbytes + self._queue[0][1].size <= self.batch_bytes
+            ):
+                batch.append(self._queue.popleft()[1])
+                nbytes += batch[-1].size
+            self.inflight += len(batch)
+            self.calls += 1
+            try:
+                for ns, group in groupby(sorted(batch, key=lambda e: e.ns), key=lambda e: e.ns):
+                    await self._write(ns, list(group))
+            except Exception:
+                log.exception(
+                    "backup worker failed on a batch of %d pages; they stay dirty in L2", len(batch)
+                )
+                for e in batch:
+                    e.queued = False
+                    self.index.update(e)
+            finally:
+                self.inflight -= len(batch)
+                self.calls -= 1
+                if not self._queue and not self.inflight:
+                    self._idle.set()
+
+    async def _write(self, ns: str, entries: list[Entry]) -> None:
+        self.index.lease_all(entries)
+        try:
+            await self._write_leased(ns, entries)
+        finally:
+            for e in entries:
+                e.queued = False
+            self.index.unlease_all(entries)
+
+    async def _write_leased(self, ns: str, todo: list[Entry]) -> None:
+        attempt = 1
+        last_error = "the backend refused the pages"
+        while todo:
+            live = self.index.ns_entries(ns).get  # index.live, inlined: this runs for every page
+            todo = [e for e in todo if live(e.key) is e and e.dirty and e.state == READY]
+            if not todo or self.backend.current is None:
+                return  # detached: the tiers queue pages that are not in L3 again when a backend attaches
+            try:
+                # No lookup before the write: pages known to be in L3 never get here (Tiers remembers
+                # them), and a lookup per page cost as much as the write itself on S3.
+                keys = [e.key for e in todo]
+                pool = self.pool.view  # Pool.slot, inlined
+                views = [pool[e.offset : e.offset + e.size] for e in todo]
+                # Checksums the engines' clients took as they stored the pages: the backend writes them as
+                # they are instead of reading each page once more to hash it.
+                sums = [e.checksum for e in todo]
+                if not any(sums):  # (0 is a checksum too, but one in 2^64: it is only hashed again)
+                    sums = None
+                epoch = self.backend.epoch
+                ok = await self.backend.call(
+                    "put", lambda c, keys=keys, views=views, sums=sums: c.put(ns, keys, views, sums)
+                )
+                if self.backend.epoch != epoch:
+                    continue  # written to a store swapped out meanwhile: write them to the new one
+                failed, nbytes = [], 0
+                for e, good in zip(todo, ok, strict=True):
+                    if good:
+                        e.dirty = False
+                        e.in_l3 = True
+                        self.abandoned.discard(e)
+                        # Out of the dirty count now, not when the last lease goes: an engine may hold the
+                        # page past our lease. Evictable once _write gives that back (and any other lease).
+                        self.index.update(e)
+                        nbytes += e.size
+                    else:
+                        failed.append(e)
+                self.counters["backup.pages"] += len(todo) - len(failed)
+                self.counters["backup.bytes"] += nbytes
+                todo = failed
+            except BackendError as e:
+                last_error = str(e)
+                self.counters[f"backup.errors.{e.reason}"] += 1
+            if not todo:
+                return
+            if attempt >= self.backoff.attempts:
+                self.counters["backup.failed"] += len(todo)
+                log.error(
+                    "backup of %d pages of %s failed after %d attempts (%s); they are no longer held for L3",
+                    len(todo),
+                    ns,
+                    attempt,
+                    last_error,
+                )
+                for e in todo:
+                    e.dirty = False
+                    self.index.update(e)
+                self.abandoned.update(todo)
+                return
+            self.counters["backup.retries"] += 1
+            await asyncio.sleep(self.backoff.delay(attempt))
+            attempt += 1

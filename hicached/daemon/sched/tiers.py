@@ -1,0 +1,766 @@
+"""The tiers: what each request does to L2 (pool + index) and L3 (connector, backup, prefetch).
+
+Engine-facing state lives in a Session per connection (its namespace, leases, slots being written,
+prefetch handles); closing a session releases all of it, whatever the engine did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicached.common.errors import BAD_REQUEST, NOT_FOUND, HicachedError
+from hicached.common.protocol import (
+    ALLOC_BUSY,
+    ALLOC_NO_SPACE,
+    ALLOC_PRESENT,
+    ALLOC_WRITE,
+    PUT_BUSY,
+    PUT_PRESENT,
+    PUT_STORED,
+)
+from hicached.common.retry import Backoff
+from hicached.config import Config
+from hicached.connectors.base import BackendError, Connector
+from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex
+from hicached.daemon.l2.pool import Pool
+from hicached.daemon.l2.slabs import SlabAllocator, slot_size
+from hicached.daemon.sched.backend import Backend
+from hicached.daemon.sched.backup import Backup
+from hicached.daemon.sched.prefetch import Prefetcher
+
+log = logging.getLogger("hicached.tiers")
+
+_BUSY_WINDOW_S = 0.01  # engines that stored or loaded within this are busy (see backup_concurrency_busy)
+
+# The slots a closed connection was writing into, or held ahead for its stores, are reused only this long
+# after: a copy its engine started before it saw the close may still be landing in them.
+CLOSED_SLOT_QUARANTINE_S = 5.0
+
+LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
+# A prefetch places this many keys (finds or allocates their slots, evicting) per turn of the event loop:
+# the reads of the first ones start while the rest are placed, instead of after ~8 us a page of placing.
+PREFETCH_STEP = 64
+
+
+@dataclass
+class Handle:
+    entries: list[Entry]
+    created: float = field(default_factory=time.monotonic)
+    placed: asyncio.Future[None] | None = None  # while keys are still being placed: done when all are
+
+
+@dataclass
+class Session:
+    """One engine connection's view: everything it holds is released by Tiers.close_session."""
+
+    peer: str = ""
+    ns: str = ""
+    page_bytes: int = 0
+    leases: dict[int, list[Entry]] = field(default_factory=dict)
+    writing: dict[str, Entry] = field(default_factory=dict)
+    reserved: dict[int, Entry] = field(default_factory=dict)  # offset -> slot set aside for its stores
+    # Slots the daemon copies a store_pages into: out of reach of the engine's commit, abort and hello, which
+    # would give them away while the copy still writes them; committed or aborted by the copy's request.
+    copying: set[Entry] = field(default_factory=set)
+    # Leases of the pages a load_pages copies out of, by lease id: out of reach of the engine's release,
+    # which would let the slots be reused while the copy still reads them.
+    loading: dict[int, list[Entry]] = field(default_factory=dict)
+    handles: dict[int, Handle] = field(default_factory=dict)
+    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # hicached.daemon.regions.service.SessionRegions once the connection registers a memory region.
+    regions: Any = None
+
+    def require_hello(self) -> None:
+        if not self.ns:
+            raise HicachedError(BAD_REQUEST, "send hello with a namespace and page_bytes first")
+
+
+class Tiers:
+    def __init__(self, cfg: Config, pool: Pool, connector: Connector | None) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.index = PageIndex(SlabAllocator(pool.size, cfg.pool.slab_size))
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.backend = Backend(cfg, self.counters)
+        self.backend.current = connector
+        if connector is not None:
+            self.backend.note_location(connector)
+        self._l3_epoch = self.backend.epoch  # the store that entries' in_l3 refers to
+        self.backend.on_attach = self._attached
+        self.backend.on_detach = self._detached
+        self.attached = asyncio.Event()  # set while a backend is attached (the warmup waits for one)
+        if connector is not None:
+            self.attached.set()
+        # (namespace, key) of pages that left L2 while in L3, most recent last; bounded.
+        self.known_in_l3: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self.index.on_remove = self._removed
+        self.namespaces: dict[str, int] = {}
+        st = cfg.storage
+        self.backup = Backup(
+            self.index,
+            pool,
+            self.backend,
+            self.counters,
+            st.backup_concurrency,
+            st.backup_batch_pages,
+            st.backup_batch_bytes,
+            st.backup_queue_pages,
+            Backoff.from_config(st.retry),
+        )
+        self.prefetcher = Prefetcher(
+            self.index,
+            pool,
+            self.backend,
+            self.counters,
+            st.prefetch_concurrency,
+            st.prefetch_batch_pages,
+            st.prefetch_batch_bytes,
+            st.prefetch_queue_pages,
+            max(10.0, 3 * st.operation_timeout),
+        )
+        self._pressure = asyncio.Event()
+        self._writeback_task: asyncio.Task[None] | None = None
+        self.pinned_bytes = 0
+        self.last_engine_io = 0.0  # time.monotonic() of the last store or load
+        self.backup.allowed = self._backup_calls_allowed
+        self.backup.defer = self._backup_defer
+
+    @property
+    def connector(self) -> Connector | None:
+        return self.backend.current
+
+    def _backup_calls_allowed(self) -> int:
+        """Write-through backups are background work: while engines store or load, they run at most
+        storage.backup_concurrency_busy calls. Write-back writes (memory pressure, flush) are never held."""
+        return self.cfg.storage.backup_concurrency_busy if self._through_while_busy() else 0
+
+    def _backup_defer(self) -> float:
+        """While engines store or load, a write-through backup waits for them to pause, at most
+        storage.backup_defer from when its page was stored (then it runs, backup_concurrency_busy calls at
+        a time): its I/O would take memory bandwidth and CPU from the engines' copies."""
+        return self.cfg.storage.backup_defer if self._through_while_busy() else 0.0
+
+    def _through_while_busy(self) -> bool:
+        """Write-through, with an engine that stored or loaded within the busy window."""
+        return not self.write_back and time.monotonic() - self.last_engine_io <= _BUSY_WINDOW_S
+
+    def _removed(self, entries: list[Entry]) -> None:
+        """Remembers which pages leaving L2 are in L3 (it runs for the pages a full pool evicts)."""
+        if self.backup.abandoned:
+            self.backup.abandoned.difference_update(entries)
+        bound = self.cfg.storage.known_in_l3_keys
+        if bound <= 0:
+            return
+        known = self.known_in_l3
+        for entry in entries:
+            if entry.in_l3:
+                k = (entry.ns, entry.key)
+                if k in known:
+                    known.move_to_end(k)
+                else:
+                    known[k] = None
+        while len(known) > bound:
+            known.popitem(last=False)
+
+    def _attached(self, connector: Connector) -> None:
+        """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
+        self.attached.set()
+        self.known_in_l3.clear()  # what the previous backend held says nothing about this one
+        # Another store (not the same one re-attached): pages that reached the old store are not known to
+        # be in this one. They stay clean and evictable (a swap does not copy L2 into the new store, nor
+        # hold the pool until it has), but a page that leaves L2 is no longer remembered as in L3, and a
+        # store of it again is written to the new store.
+        other_store = self.backend.epoch != self._l3_epoch
+        self._l3_epoch = self.backend.epoch
+        n = 0
+        for entry in self.index.entries.values():
+            if entry.state == READY and not entry.in_l3 and not entry.dirty:
+                entry.dirty = True
+                self.index.update(entry)
+                if not self.write_back:
+                    self.backup.submit(entry)
+                n += 1
+            elif other_store:
+                entry.in_l3 = False
+        if n:
+            log.info("queued %d pages that are not in L3 yet for %s", n, connector.name)
+
+    def _detached(self) -> None:
+        """No backend: nothing can be written, so dirty pages stop holding their slots (they are backed up
+        when a backend attaches again)."""
+        self.attached.clear()
+        for entry in [e for e in self.index.entries.values() if e.dirty]:
+            entry.dirty = False
+            self.index.update(entry)
+
+    @property
+    def write_back(self) -> bool:
+        return self.cfg.storage.write_policy == "write_back"
+
+    def start(self) -> None:
+        self.backup.start()
+        self.prefetcher.start()
+        if self.write_back:
+            self._writeback_task = asyncio.create_task(self._writeback_loop(), name="writeback")
+
+    async def stop(self) -> None:
+        if self._writeback_task is not None:
+            self._writeback_task.cancel()
+            await asyncio.gather(self._writeback_task, return_exceptions=True)
+        await self.prefetcher.stop()
+        await self.backup.stop()
+
+    def set_policy(self, was_write_back: bool) -> None:
+        """Follow a change of storage.write_policy made by a reload."""
+        if self.write_back and not was_write_back:
+            self._writeback_task = asyncio.create_task(self._writeback_loop(), name="writeback")
+        elif was_write_back and not self.write_back:
+            if self._writeback_task is not None:
+                self._writeback_task.cancel()
+                self._writeback_task = None
+            self.backup.submit_many(list(self.index.dirty.values()))
+
+    async def flush_dirty(self, timeout: float) -> bool:
+        """Queue every dirty page for L3, and the pages an earlier backup gave up on (the backend may take
+        them now: a disk freed), and wait for the queue to drain (shutdown, drain). True only when every
+        one of them reached L3: none was still queued at `timeout`, none was given up again."""
+        if self.connector is None:
+            return not self.index.dirty
+        for entry in self.backup.abandoned:
+            if self.index.live(entry) and entry.state == READY and not entry.in_l3 and not entry.dirty:
+                entry.dirty = True
+                self.index.update(entry)
+        self.backup.abandoned.clear()
+        failed = self.counters["backup.failed"]
+        self.backup.submit_many(list(self.index.dirty.values()))
+        drained = await self.backup.drain(timeout)
+        return drained and self.counters["backup.failed"] == failed
+
+    def not_in_l3(self) -> int:
+        """Pages acknowledged to engines that are not known to be in L3 after a flush: still queued or
+        being written, or given up by the backup."""
+        return self.backup.pending + len(self.backup.abandoned)
+
+    # Sessions.
+
+    def hello(self, s: Session, ns: str, page_bytes: int) -> dict:
+        if page_bytes <= 0 or slot_size(page_bytes) > self.cfg.pool.slab_size:
+            limit = self.cfg.pool.slab_size
+            raise HicachedError(
+                BAD_REQUEST,
+                f"page_bytes must be between 1 and pool.slab_size ({limit}); got {page_bytes}",
+            )
+        known = self.namespaces.setdefault(ns, page_bytes)
+        if known != page_bytes:
+            raise HicachedError(
+                BAD_REQUEST, f"namespace {ns!r} holds pages of {known} bytes, not {page_bytes}"
+            )
+        if (s.ns, s.page_bytes) != (ns, page_bytes):
+            if s.reserved:
+                self._unreserve(s)  # set aside for the other namespace or page size
+            if s.writing:  # keyed by key alone: pages being written for the old namespace are let go
+                self._abandon_writing(s)
+        s.ns, s.page_bytes = ns, page_bytes
+        return {"slot_bytes": slot_size(page_bytes)}
+
+    def _unreserve(self, s: Session) -> None:
+        for e in s.reserved.values():
+            self.index.unreserve(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
+        s.reserved.clear()
+
+    def _abandon_writing(self, s: Session) -> None:
+        for e in s.writing.values():
+            self.index.unlease(e)
+            self.index.remove(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
+        s.writing.clear()
+
+    def close_session(self, s: Session) -> None:
+        """Called once no copy of the connection runs any more (RegionService.close_session)."""
+        self.abort_held(s, list(s.copying))  # the daemon's own copy into them has ended
+        for entries in s.loading.values():
+            self.index.unlease_all(entries)
+        s.loading.clear()
+        for entries in s.leases.values():
+            self.index.unlease_all(entries)
+        s.leases.clear()
+        for h in s.handles.values():
+            self.index.unlease_all(h.entries)
+        s.handles.clear()
+        self._abandon_writing(s)
+        self._unreserve(s)
+
+    # Store: alloc -> engine writes the bytes -> commit.
+
+    def alloc(self, s: Session, keys: list[str]) -> tuple[list[int], list[int]]:
+        """A slot for each key not in L2 yet (ALLOC_WRITE, leased until committed or aborted), in one go:
+        the slots of the whole request are taken together (a full pool's evictions in one loop)."""
+        self.last_engine_io = time.monotonic()
+        n = len(keys)
+        status, offsets = [ALLOC_PRESENT] * n, [-1] * n
+        through = self.connector is not None and not self.write_back
+        held = len(s.writing) + len(s.copying)
+        room = self.backup.queue_pages - self.backup.pending - held if through else n
+        get = self.index.ns_entries(s.ns).get
+        want: list[int] = []  # positions that get a slot
+        first: dict[str, int] = {}  # key -> its first position, for a key asked twice
+        again: list[tuple[int, int]] = []
+        for i, key in enumerate(keys):
+            entry = get(key)
+            if entry is not None:
+                if entry.state == READY:
+                    self.index.touch(entry)
+            elif key in first:
+                again.append((i, first[key]))
+            elif len(want) >= room:
+                self.counters["store.busy"] += 1
+                status[i] = ALLOC_BUSY
+                first[key] = i
+            else:
+                want.append(i)
+                first[key] = i
+        if want:
+            cls, slots = self.index.take_slots(s.page_bytes, len(want))
+            entries = self.index.entries_at(
+                s.ns, [keys[i] for i in want[: len(slots)]], s.page_bytes, cls, slots, WRITING, leases=1
+            )
+            for i, entry in zip(want, entries, strict=False):  # entries may be fewer
+                s.writing[entry.key] = entry
+                status[i] = ALLOC_WRITE
+                offsets[i] = entry.offset
+            if len(entries) < len(want):
+                self.counters["store.no_space"] += len(want) - len(entries)
+                if self.write_back:
+                    self._pressure.set()
+                for i in want[len(entries) :]:
+                    status[i] = ALLOC_NO_SPACE
+        for i, j in again:  # as if asked after its first place: there now, or refused alike
+            if status[j] != ALLOC_WRITE:
+                status[i] = status[j]
+                self.counters["store.busy" if status[j] == ALLOC_BUSY else "store.no_space"] += 1
+        return status, offsets
+
+    def commit(self, s: Session, keys: list[str], sums: list[int] | None = None) -> list[bool]:
+        """The pages the engine wrote into slots from alloc are stored; `sums`: their checksums, if the
+        client took them (the backup then writes them as they are)."""
+        out = []
+        backup = []
+        for i, key in enumerate(keys):
+            entry = s.writing.pop(key, None)
+            if entry is None:
+                out.append(False)
+                continue
+            if sums is not None:
+                entry.checksum = sums[i]
+            if self._stored(entry):
+                backup.append(entry)
+            out.append(True)
+        self.backup.submit_many(backup)
+        self._after_stores()
+        return out
+
+    def hold_writing(self, s: Session, keys: list[str]) -> list[Entry]:
+        """The slots alloc just gave `keys` (all different), taken out of the engine's reach while the daemon
+        copies into them (store_pages): commit_held or abort_held ends them, or close_session."""
+        entries = [s.writing.pop(key) for key in keys]
+        s.copying.update(entries)
+        return entries
+
+    def commit_held(self, s: Session, entries: list[Entry]) -> None:
+        """commit() of slots from hold_writing, whose copy ended."""
+        backup = []
+        for entry in entries:
+            s.copying.discard(entry)
+            if self._stored(entry):
+                backup.append(entry)
+        self.backup.submit_many(backup)
+        self._after_stores()
+
+    def abort_held(self, s: Session, entries: list[Entry]) -> None:
+        """abort() of slots from hold_writing whose copy failed (or never started)."""
+        for entry in entries:
+            s.copying.discard(entry)
+            self.index.unlease(entry)
+            self.index.remove(entry)
+
+    def _stored(self, entry: Entry) -> bool:
+        """A page whose bytes the engine has written (leased while it did) becomes ready. True when it
+        is for the backup queue now (write-through): the caller submits a request's pages together."""
+        entry.state = READY
+        k = (entry.ns, entry.key)
+        if k in self.known_in_l3:
+            del self.known_in_l3[k]
+            entry.in_l3 = True  # it was there when this page last left L2: not written again
+            self.counters["store.known_in_l3"] += 1
+        entry.dirty = self.connector is not None and not entry.in_l3
+        self.index.unlease(entry)
+        self.counters["store.pages"] += 1
+        self.counters["store.bytes"] += entry.size
+        return entry.dirty and not self.write_back
+
+    def _after_stores(self) -> None:
+        if self.write_back and self.index.reclaimable_fraction() < self.cfg.pool.writeback_low_watermark:
+            self._pressure.set()
+
+    # Store from reserved slots: reserve (ahead, answered while the engine copies) -> the engine writes
+    # the bytes into slots it already holds -> put binds each slot to its key. A store then waits on
+    # one round trip (the put), not two; the reserve is refilled in the background of the next copies.
+
+    def reserve(self, s: Session, n: int) -> tuple[list[int], int]:
+        """Up to `n` more slots set aside for this connection's stores, within pool.reserve_per_connection
+        and, over all connections, pool.reserve_max_fraction of the pool. Evicts like a store would.
+        Returns their offsets and how many this connection may hold."""
+        self.last_engine_io = time.monotonic()
+        slot = slot_size(s.page_bytes)
+        every = int(self.cfg.pool.reserve_max_fraction * self.index.alloc.capacity)
+        limit = min(self.cfg.pool.reserve_per_connection, every) // slot
+        n = min(n, limit - len(s.reserved), (every - self.index.reserved_bytes) // slot)
+        entries = self.index.reserve(s.ns, s.page_bytes, n) if n > 0 else []
+        if len(entries) < n:
+            self.counters["store.no_space"] += 1
+            if self.write_back:
+                self._pressure.set()
+        offsets = []
+        for entry in entries:
+            s.reserved[entry.offset] = entry
+            offsets.append(entry.offset)
+        return offsets, limit
+
+    def put(
+        self, s: Session, keys: list[str], offsets: list[int], sums: list[int] | None = None
+    ) -> list[int]:
+        """Binds reserved slots, whose bytes the engine wrote, to `keys`: a PUT_* status per key. A slot
+        whose key is there already, or that the backup queue cannot take, stays reserved. `sums`: as in
+        commit."""
+        if not all(type(o) is int and o in s.reserved for o in offsets):
+            raise HicachedError(BAD_REQUEST, "put names a slot this connection has not reserved")
+        if len(offsets) != len(keys) or len(set(offsets)) != len(offsets):
+            raise HicachedError(BAD_REQUEST, "put needs one distinct offset per key")
+        self.last_engine_io = time.monotonic()
+        through = self.connector is not None and not self.write_back
+        status = []
+        backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
+        held = len(s.writing) + len(s.copying)  # slots of this connection on their way to the queue too
+        for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
+            entry = self.index.get(s.ns, key)
+            if entry is not None:
+                if entry.state == READY:
+                    self.index.touch(entry)
+                status.append(PUT_PRESENT)
+                continue
+            if through and self.backup.pending + len(backup) + held >= self.backup.queue_pages:
+                self.counters["store.busy"] += 1
+                status.append(PUT_BUSY)
+                continue
+            entry = s.reserved.pop(off)
+            self.index.bind(entry, key)
+            entry.checksum = None if sums is None else sums[i]
+            if self._stored(entry):
+                backup.append(entry)
+            status.append(PUT_STORED)
+        self.backup.submit_many(backup)
+        self._after_stores()
+        return status
+
+    def abort(self, s: Session, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            entry = s.writing.pop(key, None)
+            if entry is not None:
+                self.index.unlease(entry)
+                self.index.remove(entry)
+                n += 1
+        return n
+
+    # Lookup and load.
+
+    def _leading_l2(self, ns: str, keys: list[str]) -> list[Entry]:
+        out = []
+        get = self.index.ns_entries(ns).get
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.state == WRITING:
+                break
+            out.append(entry)
+        return out
+
+    def exists_l2(self, s: Session, keys: list[str]) -> int | None:
+        """The answer to `exists` when L2 alone settles it (all keys there, or no L3), else None."""
+        n = len(self._leading_l2(s.ns, keys))
+        if n == len(keys) or self.connector is None:
+            self.counters["lookup.l2_hits"] += n
+            self.counters["lookup.misses"] += len(keys) > n
+            return n
+        return None
+
+    def exists(self, s: Session, keys: list[str]) -> Coroutine[Any, Any, int]:
+        """Leading hits in L2 then L3, in the session's namespace as it is now, when the request is taken:
+        the coroutine may first run after a hello that the engine sent next (hicached.daemon.server)."""
+        return self._exists(s.ns, keys)
+
+    async def _exists(self, ns: str, keys: list[str]) -> int:
+        n = len(self._leading_l2(ns, keys))
+        self.counters["lookup.l2_hits"] += n
+        if n < len(keys) and self.connector is not None:
+            rest = keys[n:]
+            try:
+                more = await self.backend.call("exists", lambda c: c.exists(ns, rest))
+            except BackendError as e:
+                self.counters[f"lookup.l3_errors.{e.reason}"] += 1
+                more = 0
+            self.counters["lookup.l3_hits"] += more
+            n += more
+        self.counters["lookup.misses"] += len(keys) > n
+        return n
+
+    def all_ready(self, s: Session, keys: list[str]) -> bool:
+        """Every key is a ready page of the session's namespace in L2 (the fast path of lookups)."""
+        get = self.index.ns_entries(s.ns).get
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.state != READY:
+                return False
+        return bool(keys)
+
+    def acquire_ready(self, s: Session, keys: list[str]) -> tuple[int, list[int]]:
+        """acquire() for keys that all_ready() just vouched for: nothing to wait on."""
+        self.last_engine_io = time.monotonic()
+        by_key = self.index.ns_entries(s.ns)
+        entries = [by_key[key] for key in keys]
+        self.index.lease_all(entries)
+        self.counters["load.pages"] += len(entries)
+        self.counters["load.bytes"] += len(entries) * s.page_bytes
+        lease = next(s.ids)
+        s.leases[lease] = entries
+        return lease, [e.offset for e in entries]
+
+    def acquire(self, s: Session, keys: list[str], fetch: bool) -> Coroutine[Any, Any, tuple[int, list[int]]]:
+        """Leases the leading pages present in L2 (reading missing ones from L3 first when `fetch`);
+        returns a lease id and their offsets. In the session's namespace as it is now, when the request is
+        taken: the coroutine may first run after a hello that the engine sent next (the server)."""
+        return self._acquire(s, s.ns, s.page_bytes, keys, fetch)
+
+    async def _acquire(
+        self, s: Session, ns: str, page_bytes: int, keys: list[str], fetch: bool
+    ) -> tuple[int, list[int]]:
+        self.last_engine_io = time.monotonic()
+        entries = self._leading_l2(ns, keys)
+        self.index.lease_all(entries)
+        self.prefetcher.merge(entries)
+        if fetch and len(entries) < len(keys):
+            entries += self.prefetcher.fetch(ns, keys[len(entries) :], page_bytes, LOAD_PRIORITY, lease=True)
+        try:
+            await self._settle(entries, self.cfg.server.request_timeout)
+        except BaseException:  # the connection went away while we waited: give the leases back
+            self.index.unlease_all(entries)
+            raise
+        n = self._leading_ready(entries)
+        self.index.unlease_all(entries[n:])
+        self.counters["load.pages"] += n
+        self.counters["load.bytes"] += n * page_bytes
+        self.counters["load.misses"] += len(keys) > n
+        if n == 0:
+            return 0, []
+        lease = next(s.ids)
+        s.leases[lease] = entries[:n]
+        return lease, [e.offset for e in entries[:n]]
+
+    def hold_lease(self, s: Session, lease: int) -> None:
+        """Takes lease `lease` (just granted by acquire) out of the engine's reach while the daemon copies
+        out of its pages (load_pages): release_held ends it, or close_session."""
+        s.loading[lease] = s.leases.pop(lease)
+
+    def release_held(self, s: Session, lease: int) -> None:
+        self.index.unlease_all(s.loading.pop(lease))
+
+    def release(self, s: Session, lease: int) -> None:
+        entries = s.leases.pop(lease, None)
+        if entries is None:
+            raise HicachedError(NOT_FOUND, f"no lease {lease} on this connection")
+        self.index.unlease_all(entries)
+
+    # Prefetch.
+
+    def prefetch(self, s: Session, keys: list[str], priority: int) -> int:
+        if len(s.handles) >= self.cfg.server.max_prefetch_handles_per_connection:
+            raise HicachedError(
+                "busy", "too many prefetch handles not waited on (server.max_prefetch_handles_per_connection)"
+            )
+        handle = next(s.ids)
+        h = s.handles[handle] = Handle([])
+        self._place(s, s.ns, s.page_bytes, handle, h, keys, 0, priority, self.prefetcher.request())
+        return handle
+
+    def _place(
+        self,
+        s: Session,
+        ns: str,
+        page_bytes: int,
+        handle: int,
+        h: Handle,
+        keys: list[str],
+        start: int,
+        priority: int,
+        req,
+    ) -> None:
+        """Places keys[start:start + PREFETCH_STEP] of a prefetch (L2 hits leased, misses queued for
+        reading), and the next step on the next turn of the loop, until a key cannot be placed. Every step
+        is of the namespace the prefetch was asked in (`ns`), whatever hello the connection sent since."""
+        if s.handles.get(handle) is not h:  # waited on already, or its connection closed
+            self._placed(h)
+            return
+        step = keys[start : start + PREFETCH_STEP]
+        entries = self._leading_l2(ns, step)
+        self.index.lease_all(entries)
+        self.prefetcher.merge(entries)
+        if len(entries) < len(step):
+            entries += self.prefetcher.fetch(
+                ns, step[len(entries) :], page_bytes, priority, req, start + len(entries), lease=True
+            )
+        h.entries += entries
+        nxt = start + len(step)
+        if len(entries) == len(step) and nxt < len(keys) and req.hole > nxt:
+            loop = asyncio.get_running_loop()
+            if h.placed is None:
+                h.placed = loop.create_future()
+            place = lambda: self._place(s, ns, page_bytes, handle, h, keys, nxt, priority, req)  # noqa: E731
+            loop.call_soon(self._place_next, h, place)
+        else:
+            self._placed(h)
+
+    def _place_next(self, h: Handle, place: Callable[[], None]) -> None:
+        try:
+            place()
+        except Exception:  # a bug: the handle keeps what was placed, and wait() must not hang on the rest
+            log.exception("placing the keys of a prefetch failed; it stops at %d pages", len(h.entries))
+            self._placed(h)
+
+    @staticmethod
+    def _placed(h: Handle) -> None:
+        if h.placed is not None and not h.placed.done():
+            h.placed.set_result(None)
+
+    async def wait(self, s: Session, handle: int, timeout: float | None) -> int:
+        h = s.handles.get(handle)
+        if h is None:
+            raise HicachedError(NOT_FOUND, f"no prefetch handle {handle} on this connection")
+        pf = self.cfg.storage.prefetch
+        if h.placed is not None and not h.placed.done() and timeout != 0 and pf.policy != "best_effort":
+            # Placing is quick (a few ms for thousands of pages); the policy's clock starts after it.
+            await asyncio.wait({h.placed}, timeout=self.cfg.server.request_timeout)
+        if timeout is None:
+            if pf.policy == "best_effort":
+                timeout = 0.0
+            elif pf.policy == "wait_complete":
+                timeout = self.cfg.server.request_timeout
+            else:
+                filling = sum(1 for e in h.entries if e.state == FILLING)
+                timeout = pf.timeout_base + pf.timeout_per_page * filling
+        timeout = min(timeout, self.cfg.server.request_timeout)
+        try:
+            await self._settle(h.entries, timeout)
+            return self._leading_ready(h.entries)
+        finally:
+            if s.handles.pop(handle, None) is not None:
+                self.index.unlease_all(h.entries)
+
+    async def _settle(self, entries: list[Entry], timeout: float) -> None:
+        futures = {e.fill for e in entries if e.state == FILLING and e.fill is not None}  # one per batch
+        if futures and timeout > 0:
+            await asyncio.wait(futures, timeout=timeout)
+
+    def _leading_ready(self, entries: list[Entry]) -> int:
+        return self.index.leading_live(entries[0].ns, entries, READY) if entries else 0
+
+    # Pins.
+
+    def pin(self, s: Session, keys: list[str]) -> int:
+        limit = self.cfg.pool.max_pinned_fraction * self.index.alloc.capacity
+        n = 0
+        for key in keys:
+            entry = self.index.get(s.ns, key)
+            if entry is None or entry.state != READY:
+                continue
+            if not entry.pinned and not self.pin_entry(entry, limit):
+                raise HicachedError(
+                    "no_space", f"pinning more would exceed pool.max_pinned_fraction; {n} pages pinned"
+                )
+            n += 1
+        return n
+
+    def pin_entry(self, entry: Entry, limit: float | None = None) -> bool:
+        """Pins one page unless that would pass `limit` bytes of pins (default: pool.max_pinned_fraction)."""
+        if entry.pinned:
+            return True
+        if limit is None:
+            limit = self.cfg.pool.max_pinned_fraction * self.index.alloc.capacity
+        if self.pinned_bytes + entry.cls.slot_bytes > limit:
+            return False
+        entry.pinned = True
+        self.pinned_bytes += entry.cls.slot_bytes
+        self.index.update(entry)
+        return True
+
+    def unpin(self, s: Session, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            entry = self.index.get(s.ns, key)
+            if entry is not None and entry.pinned:
+                entry.pinned = False
+                self.pinned_bytes -= entry.cls.slot_bytes
+                self.index.update(entry)
+                n += 1
+        return n
+
+    # Write-back.
+
+    async def _writeback_loop(self) -> None:
+        mark = self.cfg.pool.writeback_low_watermark
+        while True:
+            await self._pressure.wait()
+            self._pressure.clear()
+            if self.connector is None:
+                continue
+            while self.index.dirty and self.index.reclaimable_fraction() < mark or self._no_room():
+                # A round: as much as the backup workers write at once, then look again.
+                st = self.cfg.storage
+                pages, budget = (
+                    st.backup_batch_pages * st.backup_concurrency,
+                    st.backup_batch_bytes * st.backup_concurrency,
+                )
+                for entry in list(itertools.islice(self.index.dirty.values(), pages)):
+                    self.backup.submit(entry)
+                    budget -= entry.size
+                    if budget <= 0:
+                        break
+                await self.backup.drain(self.cfg.storage.operation_timeout)
+                if not self.index.dirty:
+                    break
+
+    def _no_room(self) -> bool:
+        return bool(self.index.dirty) and self.index.evictable_bytes == 0 and not self.index.alloc.free_slabs
+
+    def stats(self, pool: dict | None = None) -> dict:
+        """`pool`: the index's counts, if taken already (PageIndex.stats_sliced); else taken here."""
+        return {
+            "pool": self.index.stats() if pool is None else pool,
+            "counters": dict(self.counters),
+            "backup": {"pending": self.backup.pending, "inflight": self.backup.inflight},
+            "prefetch": {"pending": self.prefetcher.pending},
+            "pinned_bytes": self.pinned_bytes,
+            "namespaces": dict(self.namespaces),
+            "backend": self.backend.name,
+            "backend_state": self.backend.state,
+            "backend_counters": dict(self.connector.counters) if self.connector else {},
+            "backend_info": self.connector.info() if self.connector else {},
+            "latency": {
+                f"{name}.{op}": {"count": h.count, "sum_s": round(h.sum, 6)}
+                for (name, op), h in self.backend.latency.items()
+            },
+        }

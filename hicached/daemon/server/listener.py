@@ -1,0 +1,488 @@
+"""The Unix-socket server: admits engines by uid/gid, hands them the pool's fd, and answers requests.
+
+Each accepted socket is checked with SO_PEERCRED, sent a welcome frame carrying the pool's memfd
+(SCM_RIGHTS, before the socket is wrapped in a transport, which cannot pass fds), then served by a
+Connection protocol. Requests that need no waiting are answered inline; the others run as tasks, several
+per connection. A frame that cannot be read closes its connection only. The first bytes a peer sends are
+read on the raw socket: if an fd came with them, the connection registers a host memory region (see
+hicached.common.protocol) and is closed after its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hicached.common import protocol
+from hicached.common.errors import (
+    BAD_REQUEST,
+    BUSY,
+    DRAINING,
+    INTERNAL,
+    NOT_FOUND,
+    UNAUTHORIZED,
+    HicachedError,
+)
+from hicached.common.keys import check_keys, check_namespace
+from hicached.common.protocol import arg, keys_arg
+from hicached.config import Config, resolve_path
+from hicached.daemon.regions.service import RegionService
+from hicached.daemon.sched.tiers import Session, Tiers
+from hicached.daemon.server.connection import Connection
+
+log = logging.getLogger("hicached.server")
+
+Handler = Callable[[Session, dict[str, Any]], Any]
+
+MAX_FDS = 4  # fds read with a connection's first bytes; region_attach takes exactly one
+
+
+class Server:
+    def __init__(self, cfg: Config, tiers: Tiers, control: dict[str, Handler] | None = None) -> None:
+        self.cfg = cfg
+        self.tiers = tiers
+        self.path = resolve_path(cfg, cfg.server.socket)
+        self.connections: set[Connection] = set()
+        self.draining = False  # engine requests are answered `draining` (ctl drain, shutdown)
+        self.stopping = False  # no new connections either
+        self.refused = 0
+        self._refused_by_uid: dict[int, int] = {}
+        self._lsock: socket.socket | None = None
+        self._owns_path = True
+        self._accept_task: asyncio.Task[None] | None = None
+        self._admitting: set[asyncio.Task[Any]] = set()
+        self._engines_admitting = 0  # engine connections past their first bytes, not yet in `connections`
+        self.regions = RegionService(lambda: self.cfg, tiers)
+        self.by_token: dict[str, Connection] = {}  # welcome token -> connection, for region_attach
+        self.handlers: dict[str, Handler] = self._engine_handlers()
+        self.handlers.update(self.regions.handlers())
+        self.handlers.update(control or {})
+
+    # Lifecycle.
+
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on the configured path, or on `sock` when one was handed over (socket activation)."""
+        self._owns_path = sock is None  # a socket from systemd stays systemd's: never unlinked
+        self._lsock = sock if sock is not None else self._bind()
+        if sock is not None and isinstance(sock.getsockname(), str) and sock.getsockname():
+            self.path = sock.getsockname()
+        self._lsock.setblocking(False)
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
+        log.info("listening on %s", self.path)
+
+    def stop_accepting(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        if self._lsock is not None:
+            self._lsock.close()
+            self._lsock = None
+            with contextlib.suppress(FileNotFoundError):
+                if self._owns_path and stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                    os.unlink(self.path)
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting, answer what is in flight (bounded by `timeout`), then close every connection."""
+        self.draining = self.stopping = True
+        self.stop_accepting()
+        if self._accept_task is not None:
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        for t in list(self._admitting):
+            t.cancel()
+        await asyncio.gather(*self._admitting, return_exceptions=True)
+        pending = [t for c in self.connections for t in c.tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for c in list(self.connections):
+            c.close()
+        await asyncio.sleep(0)
+        await self.regions.close(timeout)
+
+    def _bind(self) -> socket.socket:
+        path = self.path
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        self._remove_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The umask around bind gives the socket its mode from the start; a chmod afterwards would leave
+        # a window in which it has the default mode.
+        old = os.umask(0o777 & ~self.cfg.server.socket_mode)
+        try:
+            sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        sock.listen(min(self.cfg.server.max_connections, socket.SOMAXCONN))
+        return sock
+
+    @staticmethod
+    def _remove_stale(path: str) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # a socket nobody listens on: left by a daemon that died
+            log.info("removed stale socket %s", path)
+            return
+        finally:
+            probe.close()
+        raise RuntimeError(f"another daemon is listening on {path}")
+
+    # Admission.
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._lsock)
+            except OSError as e:
+                log.warning("accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._admit(sock))
+            self._admitting.add(task)
+            task.add_done_callback(self._admitting.discard)
+
+    def _allowed(self, uid: int, gid: int) -> bool:
+        uids, gids = self.cfg.server.allowed_uids, self.cfg.server.allowed_gids
+        if not uids and not gids:
+            return uid in (os.getuid(), 0)
+        return uid in uids or gid in gids
+
+    async def _admit(self, sock: socket.socket) -> None:
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, gid = struct.unpack("3i", creds)
+            peer = f"pid={pid} uid={uid} gid={gid}"
+            if not self._allowed(uid, gid):
+                self.refused += 1
+                if len(self._refused_by_uid) > 4096:
+                    self._refused_by_uid.clear()
+                n = self._refused_by_uid[uid] = self._refused_by_uid.get(uid, 0) + 1
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... refusal: a retry loop does not flood logs
+                    log.warning(
+                        "refused connection from %s: not in server.allowed_uids/allowed_gids (%d times)",
+                        peer,
+                        n,
+                    )
+                self._refuse(sock, UNAUTHORIZED, f"uid {uid} / gid {gid} may not use this daemon")
+                return
+            if self.stopping:
+                self._refuse(sock, DRAINING, "the daemon is shutting down")
+                return
+            # Those still in their handshake count too (this one is among them): a burst of connections
+            # would all pass a check of the admitted ones alone. Twice the limit: until its first bytes, a
+            # connection may be an engine's short side connection that registers a host region, which
+            # belongs to a connection already counted; engines are held to the limit below.
+            limit = self.cfg.server.max_connections
+            if len(self.connections) + len(self._admitting) - 1 >= 2 * limit:
+                self._refuse(sock, BUSY, "too many connections (server.max_connections)")
+                return
+            token = secrets.token_hex(16)
+            welcome = protocol.encode(
+                {
+                    "id": 0,
+                    "version": protocol.VERSION,
+                    "pool_bytes": self.tiers.pool.size,
+                    "max_frame": self.cfg.server.max_frame,
+                    "max_keys": self.cfg.server.max_keys_per_request,
+                    "pid": os.getpid(),
+                    "token": token,
+                }
+            )
+            sock.setblocking(False)
+            socket.send_fds(sock, [welcome], [self.tiers.pool.fd])
+            first, fds = await self._first_bytes(sock)
+            if fds:
+                await self._attach_connection(sock, first, fds, uid)
+                return
+            if len(self.connections) + self._engines_admitting >= limit:
+                self._refuse_first(sock, first, BUSY, "too many connections (server.max_connections)")
+                return
+            loop = asyncio.get_running_loop()
+            self._engines_admitting += 1
+            try:
+                await loop.connect_accepted_socket(
+                    lambda: Connection(self, Session(peer=peer), token, uid, first), sock=sock
+                )
+            finally:
+                self._engines_admitting -= 1
+        except asyncio.CancelledError:
+            sock.close()
+            raise
+        except Exception as e:
+            log.warning("could not admit a connection: %s", e)
+            sock.close()
+
+    async def _first_bytes(self, sock: socket.socket) -> tuple[bytes, list[int]]:
+        """The first bytes the peer sends and any fds that came with them, read on the raw socket (a
+        transport cannot receive fds). An engine sends hello at once, so this costs it no round trip; one
+        that sends nothing within server.handshake_timeout is served as usual."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await asyncio.wait_for(ready, self.cfg.server.handshake_timeout)
+        except TimeoutError:
+            return b"", []
+        finally:
+            loop.remove_reader(sock.fileno())
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, MAX_FDS)
+        except (BlockingIOError, InterruptedError):
+            return b"", []
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"peer sent more than {MAX_FDS} fds")
+        return data, fds
+
+    async def _attach_connection(self, sock: socket.socket, data: bytes, fds: list[int], uid: int) -> None:
+        """A connection that registers a host region: one region_attach frame that came with the region's
+        memfd, one answer, then it closes. The region belongs to the connection named by `token`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.server.handshake_timeout
+        rid = 0
+        answer: dict[str, Any] | None = None
+        try:
+            decoder = protocol.FrameDecoder(self.cfg.server.max_frame)
+            msgs = decoder.feed(data)
+            while not msgs:
+                more = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), max(0.0, deadline - loop.time()))
+                if not more:
+                    break  # the peer went away before its frame was whole
+                msgs = decoder.feed(more)
+            if msgs:
+                msg = msgs[0]
+                if isinstance(msg, dict) and isinstance(msg.get("id"), int):
+                    rid = msg["id"]
+                answer = await self._region_attach(msg, fds, uid)
+                answer["id"] = rid
+        except HicachedError as e:
+            answer = protocol.error_answer(rid, e.code, e.message)
+        except protocol.FrameError as e:
+            answer = protocol.error_answer(rid, BAD_REQUEST, f"unreadable region_attach frame: {e}")
+        except TimeoutError:
+            answer = protocol.error_answer(rid, BAD_REQUEST, "region_attach frame incomplete in time")
+        except OSError:
+            raise  # the socket failed: nobody to answer (_admit logs it)
+        except Exception as e:  # a bug: answered as on an engine connection, not by closing in silence
+            log.exception("internal error answering region_attach on a side connection")
+            answer = protocol.error_answer(
+                rid, INTERNAL, f"internal error in region_attach: {type(e).__name__}: {e}"
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if answer is None:
+                sock.close()
+        if answer is None:
+            return
+        # A peer that went away gets no answer; its region, if any, goes with its connection.
+        try:
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(loop.sock_sendall(sock, protocol.encode(answer)), 5.0)
+        finally:
+            sock.close()
+
+    async def _region_attach(self, msg: Any, fds: list[int], uid: int) -> dict[str, Any]:
+        if not isinstance(msg, dict) or msg.get("op") != "region_attach":
+            raise HicachedError(BAD_REQUEST, "a connection that passes an fd must open with region_attach")
+        if len(fds) != 1:
+            raise HicachedError(BAD_REQUEST, f"region_attach takes exactly one fd, got {len(fds)}")
+        conn = self.by_token.get(arg(msg, "token", str))
+        if conn is None:
+            raise HicachedError(
+                NOT_FOUND, "no open connection has this token: register regions while the connection is open"
+            )
+        if conn.uid != uid:
+            raise HicachedError(UNAUTHORIZED, "a region can only be registered by the connection's own user")
+        if self.draining:
+            raise HicachedError(DRAINING, "the daemon is draining")
+        return await self.regions.attach(conn.session, msg, fds[0])
+
+    def _refuse_first(self, sock: socket.socket, first: bytes, code: str, message: str) -> None:
+        """Refuses a connection that has had its welcome: the answer goes to its first request (its
+        hello), so that the client sees `code` rather than a connection closed in silence."""
+        rid = 0
+        with contextlib.suppress(protocol.FrameError):
+            msgs = protocol.FrameDecoder(self.cfg.server.max_frame).feed(first)
+            if msgs and isinstance(msgs[0], dict) and type(msgs[0].get("id")) is int:
+                rid = msgs[0]["id"]
+        self._refuse(sock, code, message, rid)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, code: str, message: str, rid: int = 0) -> None:
+        """A few bytes into a socket that holds none (never blocks), then closed."""
+        with contextlib.suppress(OSError):
+            sock.send(protocol.encode(protocol.error_answer(rid, code, message)))
+        sock.close()
+
+    # Engine requests.
+
+    def _engine_handlers(self) -> dict[str, Handler]:
+        t = self.tiers
+
+        def keys(s: Session, req: dict[str, Any]) -> list[str]:
+            s.require_hello()
+            try:
+                return list(check_keys(keys_arg(req, self.cfg.server.max_keys_per_request)))
+            except ValueError as e:
+                raise HicachedError(BAD_REQUEST, str(e)) from None
+
+        def sums(req: dict[str, Any], n: int) -> list[int] | None:
+            """The optional checksums of a put or commit: the xxh3-64 of each page, taken by the client as it
+            copied the page (a wrong one makes the page a miss when it is read back from L3)."""
+            got = req.get("sums")
+            if got is None:
+                return None
+            if (
+                type(got) is not list
+                or len(got) != n
+                or (n and (set(map(type, got)) != {int} or min(got) < 0 or max(got) >= 1 << 64))
+            ):  # (in C-speed passes: a bool, a float or None is refused by its type)
+                raise HicachedError(
+                    BAD_REQUEST, f"sums must be a list of {n} unsigned 64-bit integers, one a key"
+                )
+            return got
+
+        def hello(s: Session, req: dict[str, Any]) -> dict:
+            try:
+                ns = check_namespace(arg(req, "namespace", str))
+            except ValueError as e:
+                raise HicachedError(BAD_REQUEST, str(e)) from None
+            return t.hello(s, ns, arg(req, "page_bytes", int))
+
+        def all_in_l2(s: Session, req: dict[str, Any]) -> list[str] | None:
+            """The request's keys when every one is a ready page in L2: those are known to be valid, so
+            the common lookup skips validation; None otherwise."""
+            s.require_hello()
+            ks = keys_arg(req, self.cfg.server.max_keys_per_request)
+            try:
+                return ks if t.all_ready(s, ks) else None
+            except TypeError:  # an unhashable "key"
+                return None
+
+        def exists(s: Session, req: dict[str, Any]) -> Any:
+            ks = all_in_l2(s, req)
+            if ks is not None:
+                t.counters["lookup.l2_hits"] += len(ks)
+                return {"n": len(ks)}  # answered inline: no task, no extra loop pass
+            ks = keys(s, req)
+            n = t.exists_l2(s, ks)
+            if n is not None:
+                return {"n": n}
+            return _exists_l3(t.exists(s, ks))  # taken now: of the request's namespace, not a later hello's
+
+        async def _exists_l3(pending: Awaitable[int]) -> dict:
+            return {"n": await pending}
+
+        def alloc(s: Session, req: dict[str, Any]) -> dict:
+            status, offsets = t.alloc(s, keys(s, req))
+            return {"status": status, "offsets": offsets}
+
+        def reserve(s: Session, req: dict[str, Any]) -> dict:
+            s.require_hello()
+            n = arg(req, "n", int)
+            limit = self.cfg.server.max_keys_per_request
+            if not 0 <= n <= limit:
+                raise HicachedError(BAD_REQUEST, f"n must be between 0 and {limit}, got {n}")
+            offsets, may_hold = t.reserve(s, n)
+            return {"offsets": offsets, "limit": may_hold}
+
+        def put(s: Session, req: dict[str, Any]) -> dict:
+            ks = keys(s, req)
+            return {"status": t.put(s, ks, arg(req, "offsets", list), sums(req, len(ks)))}
+
+        def commit(s: Session, req: dict[str, Any]) -> dict:
+            ks = keys(s, req)
+            return {"ok": t.commit(s, ks, sums(req, len(ks)))}
+
+        def acquire(s: Session, req: dict[str, Any]) -> Any:
+            ks = all_in_l2(s, req)
+            if ks is not None:
+                lease, offsets = t.acquire_ready(s, ks)
+                return {"lease": lease, "offsets": offsets}
+            # Taken now: in the namespace of the request, not of a hello sent after it.
+            return _acquire(t.acquire(s, keys(s, req), arg(req, "fetch", bool, True)))
+
+        async def _acquire(pending: Awaitable[tuple[int, list[int]]]) -> dict:
+            lease, offsets = await pending
+            return {"lease": lease, "offsets": offsets}
+
+        def release(s: Session, req: dict[str, Any]) -> dict:
+            t.release(s, arg(req, "lease", int))
+            return {}
+
+        def prefetch(s: Session, req: dict[str, Any]) -> dict:
+            return {"handle": t.prefetch(s, keys(s, req), arg(req, "priority", int, 0))}
+
+        async def wait(s: Session, req: dict[str, Any]) -> dict:
+            timeout = arg(req, "timeout", (int, float), None)
+            if timeout is not None and timeout < 0:
+                raise HicachedError(BAD_REQUEST, "timeout cannot be negative")
+            return {"n": await t.wait(s, arg(req, "handle", int), timeout)}
+
+        def status(s: Session, req: dict[str, Any]) -> dict:
+            return self.status()
+
+        def stats(s: Session, req: dict[str, Any]) -> Any:
+            return self.stats_sliced()
+
+        return {
+            "hello": hello,
+            "exists": exists,
+            "alloc": alloc,
+            "commit": commit,
+            "abort": lambda s, req: {"n": t.abort(s, keys(s, req))},
+            "reserve": reserve,
+            "put": put,
+            "acquire": acquire,
+            "release": release,
+            "prefetch": prefetch,
+            "wait": wait,
+            "pin": lambda s, req: {"n": t.pin(s, keys(s, req))},
+            "unpin": lambda s, req: {"n": t.unpin(s, keys(s, req))},
+            "status": status,
+            "stats": stats,
+        }
+
+    def status(self) -> dict:
+        pool = self.tiers.index
+        return {
+            "pid": os.getpid(),
+            "socket": self.path,
+            "backend": self.tiers.connector.name if self.tiers.connector else "none",
+            "write_policy": self.cfg.storage.write_policy,
+            "connections": len(self.connections),
+            "pages": len(pool.entries),
+            "capacity_bytes": pool.alloc.capacity,
+            "used_bytes": sum(c.used * c.slot_bytes for c in pool.alloc.classes.values()),
+            "backup_pending": self.tiers.backup.pending,
+            "draining": self.draining,
+            "regions": self.regions.count,
+        }
+
+    async def stats_sliced(self) -> dict:
+        """stats(), with the walk over L2's index in slices between which the event loop runs."""
+        return self.stats(await self.tiers.index.stats_sliced())
+
+    def stats(self, pool: dict | None = None) -> dict:
+        out = self.tiers.stats(pool)
+        out["server"] = {"connections": len(self.connections), "refused": self.refused}
+        out["regions"] = self.regions.stats()
+        return out

@@ -1,0 +1,460 @@
+"""The daemon's lifecycle: build the parts from a config, start them in order, stop them in reverse;
+and the operator's levers on a running daemon: reload, backend attach/detach, drain, flush."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+from hicached import config
+from hicached.common.errors import BAD_REQUEST, HicachedError
+from hicached.config import Config
+from hicached.config.diff import plan
+from hicached.connectors import BackendError, Connector, build
+from hicached.daemon.l2.pool import Pool, available_memory, check_capacity
+from hicached.daemon.sched import warmup
+from hicached.daemon.sched.tiers import Tiers
+from hicached.daemon.server.listener import Server
+from hicached.daemon.service.metrics import MetricsServer
+from hicached.daemon.service.notify import Notifier, watchdog_interval
+
+log = logging.getLogger("hicached.daemon")
+
+
+class Daemon:
+    """startup -> serve until asked to stop -> shutdown. Signal handling is an ordinary method
+    (`handle_signal`) that tests call directly; `shutdown_trigger` is an injectable event."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        config_path: str | None = None,
+        shutdown_trigger: asyncio.Event | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.should_exit = shutdown_trigger
+        self.notifier = notifier or Notifier()
+        self.pool: Pool | None = None
+        self.tiers: Tiers | None = None
+        self.server: Server | None = None
+        self.metrics: MetricsServer | None = None
+        self.last_reload = "none"
+        self.reloads = {"ok": 0, "rejected": 0}
+        self._reload_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._serving = False
+        self._started = False  # start-up done: READY=1 sent
+        self._reload_pending = False  # SIGHUP during start-up: reloaded once it is done
+        # The warm list read at start until it has been replayed: kept in the lists written meanwhile, so
+        # that a stop (or a backend late at start) before the replay is done does not lose it. None until it
+        # is read: nothing is written over it then.
+        self._warm_pending: list[warmup.WarmPage] | None = None
+        self._snapshot_task: asyncio.Task[Any] | None = None
+
+    # Lifecycle.
+
+    async def startup(self, listen_sock: socket.socket | None = None) -> None:
+        if self.should_exit is None:
+            self.should_exit = asyncio.Event()
+        cfg = self.cfg
+        await self._memory_for_pool()
+        try:
+            self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
+        except MemoryError as e:
+            raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
+        log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
+        self.tiers = Tiers(cfg, self.pool, None)
+        self.tiers.start()
+        await self._attach_configured(startup=True)
+        self.server = Server(cfg, self.tiers, control=self._control_handlers())
+        await self.server.start(listen_sock)
+        self._serving = True
+        if cfg.metrics.listen:
+            self.metrics = MetricsServer(self)
+            await self.metrics.start(cfg.metrics.listen)
+        if cfg.warmup.enabled:
+            self._spawn(self._warmup())
+        else:
+            self._warm_pending = []
+        self._follow_snapshot_interval()
+        interval = watchdog_interval()
+        if interval:
+            self._spawn(self._watchdog(interval))
+        self.notifier.ready(self.status_line())
+        self._started = True
+        if self._reload_pending:
+            self._reload_pending = False
+            self._spawn(self.reload())
+
+    async def _attach_configured(self, startup: bool = False) -> None:
+        connector = build(self.cfg)
+        if connector is None:
+            log.info('no L3 backend (storage.backend = "none"): L2 only')
+            await self.tiers.backend.attach(None)
+            return
+        try:
+            await connector.start()
+            await self.tiers.backend.attach(connector, probe=True)
+        except BackendError as e:
+            await connector.close()
+            if not startup:
+                raise
+            log.error(
+                "L3 backend %s is not usable (%s); serving from L2 only and retrying with backoff",
+                connector.name,
+                e,
+            )
+            cfg = self.cfg
+            self.tiers.backend.attach_when_ready(lambda: build(cfg), e)
+            return
+        log.info("L3 backend %s attached", connector.name)
+
+    def _warm_path(self) -> str:
+        return config.resolve_path(self.cfg, self.cfg.warmup.state_file)
+
+    def _warm_limit(self) -> int:
+        return int(self.cfg.warmup.max_fraction * self.pool.size)
+
+    async def _warmup(self) -> None:
+        loop = asyncio.get_running_loop()
+        pages = await loop.run_in_executor(None, warmup.load, self._warm_path())
+        self._warm_pending = pages
+        if not pages:
+            return
+        if self.tiers.connector is None:
+            # Down at start (the breaker retries it), or detached: the list waits for a backend to read from.
+            log.info("warmup: %d pages listed; waiting for an L3 backend to read them from", len(pages))
+            await self.tiers.attached.wait()
+        await warmup.warm(self.tiers, pages, self._warm_limit())
+        self._warm_pending = []
+
+    def _follow_snapshot_interval(self) -> None:
+        """Runs the periodic snapshot of the warm list as warmup.enabled and snapshot_interval say (at start,
+        and after a reload that changed them)."""
+        if self._snapshot_task is not None:
+            self._snapshot_task.cancel()
+            self._snapshot_task = None
+        w = self.cfg.warmup
+        if w.enabled and w.snapshot_interval > 0:
+            self._snapshot_task = self._spawn(self._snapshots(w.snapshot_interval))
+
+    async def _snapshots(self, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            if self._warm_pending is None:
+                continue  # the list of the last run is not read yet: not written over
+            pages = await warmup.snapshot_async(self.tiers.index, self._warm_limit())
+            pages = warmup.merge(pages, self._warm_pending or [], self._warm_limit())
+            try:
+                await loop.run_in_executor(None, warmup.save, self._warm_path(), pages)
+            except OSError as e:
+                log.warning("could not write the warm list %s: %s", self._warm_path(), e)
+
+    def _save_warm_list(self) -> None:
+        if not self.cfg.warmup.enabled or self.tiers is None or self._warm_pending is None:
+            # A start-up that failed (another daemon on the socket, the metrics port taken) or a stop before
+            # the list was read must not touch the list.
+            return
+        pages = warmup.snapshot(self.tiers.index, self._warm_limit())
+        pages = warmup.merge(pages, self._warm_pending, self._warm_limit())
+        try:
+            warmup.save(self._warm_path(), pages)
+            log.info("warm list of %d pages written to %s", len(pages), self._warm_path())
+        except OSError as e:
+            log.warning("could not write the warm list %s: %s", self._warm_path(), e)
+
+    async def _memory_for_pool(self) -> None:
+        """Returns once the pool fits in the memory left (pool.capacity against MemAvailable and cgroup
+        limits), waiting up to pool.memory_wait for it; RuntimeError if it does not come."""
+        p = self.cfg.pool
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + p.memory_wait
+        waited = False
+        while True:
+            try:
+                short = check_capacity(p.capacity, p.prefault, available_memory())
+                break
+            except ValueError as e:
+                if self.should_exit.is_set():
+                    raise RuntimeError(f"stopped while waiting for memory for the pool: {e}") from None
+                if loop.time() >= deadline:
+                    why = f" (waited {p.memory_wait:.0f}s, pool.memory_wait)" if p.memory_wait else ""
+                    raise RuntimeError(f"{e}{why}") from None
+                if not waited:
+                    waited = True
+                    log.warning(
+                        "%s; waiting up to %.0fs for memory (pool.memory_wait): engines that still map a "
+                        "previous daemon's pool hold its memory until they reconnect",
+                        e,
+                        p.memory_wait,
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self.should_exit.wait(), min(1.0, max(0.0, deadline - loop.time()))
+                    )
+        if waited:
+            log.info("memory for the pool is free; starting")
+        if short:
+            log.warning("%s", short)
+
+    async def main_loop(self) -> None:
+        await self.should_exit.wait()
+
+    async def shutdown(self) -> None:
+        self.notifier.stopping()
+        timeout = self.cfg.shutdown.flush_timeout
+        if self.metrics is not None:
+            await self.metrics.stop()
+        if self.server is not None:
+            await self.server.stop(timeout=min(timeout, self.cfg.server.request_timeout))
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.tiers is not None:
+            if self.tiers.connector is not None:
+                dirty = len(self.tiers.index.dirty) + self.tiers.backup.pending
+                if dirty:
+                    log.info("writing %d pages not yet in L3 before exit (up to %.0fs)", dirty, timeout)
+                if not await self.tiers.flush_dirty(timeout):
+                    log.error(
+                        "shutdown: %d pages did not reach L3 (%d still queued at shutdown.flush_timeout, %d "
+                        "refused by the backend)",
+                        self.tiers.not_in_l3(),
+                        self.tiers.backup.pending,
+                        len(self.tiers.backup.abandoned),
+                    )
+            await self.tiers.stop()
+            self._save_warm_list()
+            await self.tiers.backend.close()
+        if self.pool is not None:
+            self.pool.close()
+        self.notifier.close()
+        log.info("stopped")
+
+    async def run(self, listen_sock: socket.socket | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        if self.should_exit is None:
+            self.should_exit = asyncio.Event()
+        sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        # Installed before start-up and kept until the very end: a second Ctrl-C, or a service manager
+        # signalling again, must not interrupt the final flush with a KeyboardInterrupt.
+        for sig in sigs:
+            loop.add_signal_handler(sig, self.handle_signal, sig)
+        try:
+            await self.startup(listen_sock)
+            await self.main_loop()
+        finally:
+            try:
+                await self.shutdown()
+            finally:
+                for sig in sigs:
+                    loop.remove_signal_handler(sig)
+
+    def handle_signal(self, sig: int) -> None:
+        if self.should_exit.is_set():
+            log.info("received %s while shutting down; still finishing", signal.Signals(sig).name)
+            return
+        if sig in (signal.SIGINT, signal.SIGTERM):
+            log.info(
+                "received %s: finishing requests in flight and backups, then exiting",
+                signal.Signals(sig).name,
+            )
+            self.should_exit.set()
+        elif sig == signal.SIGHUP:
+            if not self._started:
+                # The parts a reload points at the new configuration are not all built yet, and its
+                # READY=1 would tell systemd the daemon is up before it listens.
+                log.info("received SIGHUP while starting: reloading %s once started", self.config_path)
+                self._reload_pending = True
+                return
+            log.info("received SIGHUP: reloading %s", self.config_path)
+            self._spawn(self.reload())
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _watchdog(self, interval: float) -> None:
+        # The ping comes from a coroutine on the event loop: a loop that is stuck stops pinging, and
+        # systemd restarts the daemon. So does a copy executor with a job that never ends.
+        stalled = False
+        while True:
+            age = self.server.regions.copier.oldest_age() if self.server else 0.0
+            if age <= self.cfg.regions.copy_stall_timeout:
+                self.notifier.watchdog()
+                stalled = False
+            elif not stalled:
+                stalled = True
+                log.error(
+                    "a region copy has run for %.0fs (regions.copy_stall_timeout): no longer pinging the "
+                    "watchdog",
+                    age,
+                )
+            await asyncio.sleep(interval)
+
+    # Reload.
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the configuration file and apply what can change live. On any error the daemon keeps
+        running with the configuration it had, and says why."""
+        async with self._reload_lock:
+            self.notifier.reloading()
+            try:
+                result = await self._reload()
+            except (config.ConfigError, BackendError, HicachedError, OSError) as e:
+                self.reloads["rejected"] += 1
+                self.last_reload = f"rejected: {e}"
+                log.error("reload rejected, keeping the running configuration: %s", e)
+                result = {"ok": False, "reason": str(e)}
+            finally:
+                self.notifier.ready(self.status_line())
+            return result
+
+    async def _reload(self) -> dict[str, Any]:
+        if not self.config_path:
+            raise HicachedError(BAD_REQUEST, "the daemon was not started from a configuration file")
+        new = config.load(self.config_path)
+        p = plan(self.cfg, new)
+        old = self.cfg
+        if p.swap_backend:
+            self._apply(p.config)
+            try:
+                await self._attach_configured()
+            except BaseException:
+                self._apply(old)
+                self.tiers.counters["backend.swap_failures"] += 1
+                raise
+            self.tiers.counters["backend.swaps"] += 1
+        else:
+            self._apply(p.config)
+        was, now = old.warmup, self.cfg.warmup
+        if (was.enabled, was.snapshot_interval) != (now.enabled, now.snapshot_interval):
+            self._follow_snapshot_interval()
+        if p.restart:
+            log.warning("reload: %s changed but need a restart; kept as they were", ", ".join(p.restart))
+        self.reloads["ok"] += 1
+        self.last_reload = "ok" + (f" (restart needed for {', '.join(p.restart)})" if p.restart else "")
+        log.info("reload applied: %s", ", ".join(p.live) or "nothing changed")
+        return {
+            "ok": True,
+            "applied": p.live,
+            "restart_required": p.restart,
+            "backend": self.tiers.backend.name,
+        }
+
+    def _apply(self, cfg: Config) -> None:
+        """Point every part at `cfg` and adjust what runs (workers, policy, log level)."""
+        was_write_back = self.tiers.write_back
+        self.cfg = cfg
+        self.tiers.cfg = cfg
+        self.server.cfg = cfg
+        self.tiers.backend.cfg = cfg
+        st = cfg.storage
+        b = self.tiers.backup
+        b.batch_pages, b.batch_bytes, b.queue_pages = (
+            st.backup_batch_pages,
+            st.backup_batch_bytes,
+            st.backup_queue_pages,
+        )
+        b.backoff = b.backoff.from_config(st.retry)
+        b.resize(st.backup_concurrency)
+        pf = self.tiers.prefetcher
+        pf.batch_pages, pf.batch_bytes = st.prefetch_batch_pages, st.prefetch_batch_bytes
+        pf.queue_pages = st.prefetch_queue_pages
+        pf.resize(st.prefetch_concurrency)
+        self.tiers.set_policy(was_write_back)
+        logging.getLogger().setLevel(cfg.logging.level.upper())
+
+    # Operator commands (hicached ctl).
+
+    def _control_handlers(self) -> dict[str, Any]:
+        async def reload(session, req) -> dict:
+            return await self.reload()
+
+        async def backend(session, req) -> dict:
+            action = req.get("action", "show")
+            if action == "show":
+                return self.tiers.backend.stats()
+            if action == "detach":
+                await self.tiers.backend.attach(None)
+                self.tiers.counters["backend.swaps"] += 1
+                log.info("backend detached by ctl: serving from L2 only")
+                return self.tiers.backend.stats()
+            if action == "attach":
+                name = req.get("name") or self.cfg.storage.backend
+                if name not in ("file", "redis", "s3"):
+                    raise HicachedError(BAD_REQUEST, f"cannot attach backend {name!r}: use file, redis or s3")
+                connector: Connector = build(self.cfg, name)
+                try:
+                    await connector.start()
+                    await self.tiers.backend.attach(connector, probe=True)
+                except BackendError as e:
+                    await connector.close()
+                    self.tiers.counters["backend.swap_failures"] += 1
+                    raise HicachedError(e.code, f"backend {name} was not attached: {e}") from None
+                self.tiers.counters["backend.swaps"] += 1
+                log.info("backend %s attached by ctl", name)
+                return self.tiers.backend.stats()
+            raise HicachedError(BAD_REQUEST, f"unknown backend action {action!r}: show, attach or detach")
+
+        async def drain(session, req) -> dict:
+            if req.get("cancel"):
+                self.server.draining = False
+                return {"draining": False}
+            self.server.draining = True
+            ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
+            return {
+                "draining": True,
+                "flushed": ok,
+                "backup_pending": self.tiers.backup.pending,
+                "not_in_l3": self.tiers.not_in_l3(),
+            }
+
+        async def flush(session, req) -> dict:
+            ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
+            return {
+                "flushed": ok,
+                "backup_pending": self.tiers.backup.pending,
+                "not_in_l3": self.tiers.not_in_l3(),
+            }
+
+        return {
+            "reload": reload,
+            "backend": backend,
+            "drain": drain,
+            "flush": flush,
+            "status": lambda session, req: self.status(),
+        }
+
+    def status(self) -> dict[str, Any]:
+        out = self.server.status() if self.server else {}
+        out.update(
+            {
+                "backend_state": self.tiers.backend.state,
+                "last_reload": self.last_reload,
+                "reloads": dict(self.reloads),
+                "config": self.config_path or "",
+            }
+        )
+        return out
+
+    def status_line(self) -> str:
+        """One line for `systemctl status`."""
+        idx = self.tiers.index
+        used = sum(c.used * c.slot_bytes for c in idx.alloc.classes.values())
+        pct = 100.0 * used / idx.alloc.capacity
+        return (
+            f"backend {self.tiers.backend.name} ({self.tiers.backend.state}); "
+            f"pool {pct:.0f}% of {idx.alloc.capacity >> 20} MiB, {len(idx.entries)} pages; "
+            f"last reload: {self.last_reload}; pid {os.getpid()}"
+        )

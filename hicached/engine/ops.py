@@ -1,0 +1,471 @@
+"""What each client operation does, written once as generators that yield requests and receive answers
+(no I/O): `Client` and `AsyncClient` in hicached.client only carry the requests. Also the checks that turn
+pages and buffers into byte views, and the mapping of the shared pool on the client's side."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import select
+import threading
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import numpy as np
+
+from hicached.common import protocol
+from hicached.common.errors import BAD_REQUEST, CONNECTION, HicachedError
+from hicached.common.keys import check_namespace
+from hicached.engine.regions import RegionOps
+
+try:  # the compiled part (setup.py); without it, pages are copied with numpy, one call per page
+    from hicached.common._pageio import copy_pages as _copy_pages
+except ImportError:
+    _copy_pages = None
+
+Op = Generator[dict[str, Any], dict[str, Any] | None, Any]
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def _populate(mm: mmap.mmap, size: int) -> None:
+    step = 256 << 20
+    # An older kernel, or a client closed meanwhile: then pages fault in on first use instead.
+    with contextlib.suppress(OSError, ValueError):
+        for start in range(0, size, step):
+            mm.madvise(_MADV_POPULATE_WRITE, start, min(step, size - start))
+
+
+def peer_closed_check(fd: int) -> Callable[[], bool]:
+    """A check, one poll(2) that does not wait, that the daemon has closed or reset the connection on `fd`
+    (the peer's FIN shows as POLLRDHUP before anything has read it). Thread-safe: a poll object each call
+    (one object cannot be polled from two threads at once)."""
+
+    def closed() -> bool:
+        p = select.poll()
+        p.register(fd, select.POLLRDHUP)
+        return bool(p.poll(0))
+
+    return closed
+
+
+class _NoReply(dict):
+    """A request whose answer nobody waits for (a lease release): it saves a round trip."""
+
+
+class _Send(dict):
+    """A request sent now whose answer is collected later with `_Await(ticket)`: the driver answers the
+    yield with a ticket at once. Lets an operation keep the daemon busy while it copies."""
+
+
+class _SendNow(_Send):
+    """A _Send written at once (with whatever the driver held), not at the next wait."""
+
+
+def _held(req: Any) -> bool:
+    """Whether a driver keeps `req`'s frame until the operation next waits or sends something else (a
+    plain _Send): the frames then go in one write, e.g. a store's allocations."""
+    return isinstance(req, _Send) and not isinstance(req, _SendNow)
+
+
+class _Await:
+    __slots__ = ("ticket",)
+
+    def __init__(self, ticket: Any) -> None:
+        self.ticket = ticket
+
+
+# A store of at least this many pages is cut into chunks whose allocations are all sent first (in one
+# write): the daemon works on the later ones while the client copies the first.
+_PIPELINE_MIN_PAGES = 16
+_PIPELINE_CHUNKS = 4
+
+
+def _as_bytes_array(obj: Any, nbytes: int, writable: bool, what: str) -> np.ndarray:
+    """A flat uint8 numpy view of a page or a buffer (bytes-like object or CPU tensor), without a copy."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # torch.Tensor
+        if obj.is_cuda:
+            raise HicachedError(BAD_REQUEST, f"{what} is a CUDA tensor: register it as a region instead")
+        if not obj.is_contiguous():
+            raise HicachedError(BAD_REQUEST, f"{what} tensor is not contiguous")
+        import torch
+
+        arr = obj.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        try:
+            mv = memoryview(obj)
+        except TypeError:
+            raise HicachedError(BAD_REQUEST, f"{what} must be a bytes-like object or a tensor") from None
+        if not mv.c_contiguous:
+            raise HicachedError(BAD_REQUEST, f"{what} is not contiguous")
+        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+    if arr.nbytes != nbytes:
+        raise HicachedError(
+            BAD_REQUEST, f"{what} has {arr.nbytes} bytes; this client's page_bytes is {nbytes}"
+        )
+    if writable and not arr.flags.writeable:
+        raise HicachedError(BAD_REQUEST, f"{what} is read-only")
+    return arr
+
+
+class _Ops(RegionOps):
+    """What each client method does, as generators of requests; no I/O."""
+
+    def __init__(self, namespace: str, page_bytes: int) -> None:
+        try:
+            self.namespace = check_namespace(namespace)
+        except ValueError as e:
+            raise HicachedError(BAD_REQUEST, str(e)) from None
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise HicachedError(BAD_REQUEST, f"page_bytes must be a positive integer, got {page_bytes!r}")
+        self.page_bytes = page_bytes
+        self._mm: mmap.mmap | None = None
+        self._pool: np.ndarray | None = None
+        self.token = ""
+        self.regions: dict[int, Any] = {}
+        # Offsets of slots the daemon set aside for this connection's next stores (its `reserve`), and how
+        # many it lets this connection hold (None: not asked yet). Shared by the threads of one Client.
+        self._reserve_lock = threading.Lock()
+        self._reserved: list[int] = []
+        self._reserve_limit: int | None = None
+        # Set by the client to a check that the daemon has closed the connection: then the slots held
+        # ahead are freed on its side and may already belong to another page, so they are never written.
+        self.peer_closed: Callable[[], bool] = lambda: False
+
+    def _attach(self, welcome: dict[str, Any], fd: int) -> None:
+        self.token = welcome.get("token", "")
+        try:
+            size = welcome["pool_bytes"]
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._pool = np.frombuffer(self._mm, dtype=np.uint8)
+        # A fresh mapping faults on the first touch of every page, which makes first copies 3-4x slower.
+        # Map the page tables in the background instead of at connect (that costs ~0.1 s per GiB).
+        threading.Thread(
+            target=_populate, args=(self._mm, size), name="hicached-populate", daemon=True
+        ).start()
+
+    def _detach(self) -> None:
+        self._drop_reserved()  # the daemon frees a closed connection's reserved slots itself
+        self.regions.clear()  # the daemon unregisters a closed connection's regions itself
+        self._pool = None
+        if self._mm is not None:
+            # A view handed out by get() may still be alive: then the mapping goes with the process.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    def _slot(self, offset: int) -> np.ndarray:
+        if self._pool is None:
+            raise HicachedError(CONNECTION, "the client is closed")
+        return self._pool[offset : offset + self.page_bytes]
+
+    def _copy(self, offsets: list[int], pages: list[Any], into_pool: bool) -> list[int] | None:
+        """Copies each page into (or out of) the pool's slot at its offset: in one C call with the GIL
+        released where hicached.common._pageio is built (~0.3 us a page, against ~2.4 us for a numpy view and
+        copyto), else page by page with numpy. Into the pool with the C module, returns each page's
+        checksum (xxh3-64, as the page header keeps it), taken in the same pass: the daemon's backup then
+        writes it as it is instead of reading the page again to hash it. None otherwise."""
+        if self._mm is None:
+            raise HicachedError(CONNECTION, "the client is closed")
+        if _copy_pages is not None:
+            sums = np.empty(len(offsets), dtype=np.uint64) if into_pool else None
+            _copy_pages(self._mm, offsets, self.page_bytes, pages, into_pool, sums)
+            return None if sums is None else sums.tolist()
+        for off, page in zip(offsets, pages, strict=True):
+            src = np.frombuffer(page, dtype=np.uint8) if type(page) is bytes else page
+            if into_pool:
+                np.copyto(self._slot(off), src)
+            else:
+                np.copyto(page, self._slot(off))
+        return None
+
+    def op_hello(self) -> Op:
+        return (yield {"op": "hello", "namespace": self.namespace, "page_bytes": self.page_bytes})
+
+    def op_exists(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "exists", "keys": list(keys)})["n"]
+
+    def op_store(self, keys: Sequence[str], pages: Sequence[Any]) -> Op:
+        keys = list(keys)
+        if len(keys) != len(pages):
+            raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(pages)} pages")
+        if not keys:
+            return []
+        # Every page is checked before anything is sent (a bad one must not cost L2 any page). Pages that
+        # are bytes of the right length need no more than that check.
+        nbytes = self.page_bytes
+        srcs: list[Any] = [
+            p if type(p) is bytes and len(p) == nbytes else _as_bytes_array(p, nbytes, False, f"page {i}")
+            for i, p in enumerate(pages)
+        ]
+        n = len(keys)
+        # The first pages go into slots this connection holds ahead (copied at once, bound to their keys by
+        # `put`); the rest into slots allocated now, in chunks whose allocations go out in one write so that
+        # the daemon answers them while the client copies the pages before.
+        spare = self._take_reserved(n)
+        r = len(spare)
+        m = n - r
+        chunks = 0 if not m else _PIPELINE_CHUNKS if m >= _PIPELINE_MIN_PAGES else 1
+        bounds = [(r + m * c // chunks, r + m * (c + 1) // chunks) for c in range(chunks)]
+        if r:
+            # All from the reserve: the last quarter is a segment of its own, so that the pages before it
+            # are put while it is copied.
+            cut = r - r // _PIPELINE_CHUNKS if not chunks and r >= _PIPELINE_MIN_PAGES else r
+            bounds = [(0, cut), *([(cut, r)] if cut < r else []), *bounds]
+        want = self._refill_wanted(n)
+        reqs: list[dict[str, Any]] = [{"op": "alloc", "keys": keys[lo:hi]} for lo, hi in bounds if lo >= r]
+        # The refill of the slots held ahead goes out with the allocations (one write), or, for a store
+        # with none, right after its first put: then the daemon answers that put first, and the store wakes
+        # it twice, not three times. Either way it is answered before the call ends.
+        late = None
+        if want and reqs:
+            reqs.append({"op": "reserve", "n": want})
+        elif want:
+            late = {"op": "reserve", "n": want}
+        tickets = []
+        for i, req in enumerate(reqs):
+            tickets.append((yield (_SendNow if i == len(reqs) - 1 else _Send)(req)))  # one write
+        refill = tickets.pop() if want and late is None else None
+        allocs = iter(tickets)
+        segs = [(lo, hi, None if hi <= r else next(allocs)) for lo, hi in bounds]
+        result = [False] * n
+        slot: dict[int, int] = dict(enumerate(spare))  # index into keys -> the slot its page goes to
+        sums: dict[int, int] = {}  # index into keys -> its page's checksum, where the copy took it
+        taken: list[int] = []  # indices given slots by alloc: WRITING on the daemon until committed
+        sent = 0  # the pages before this index are committed or put (the requests are sent)
+        acks: list[tuple[list[int], Any, bool]] = []  # (indices, ticket, is a put) of requests sent
+        done = 0  # segments whose allocation has been collected
+        try:
+            for si, (lo, hi, ticket) in enumerate(segs):
+                done = si + 1
+                if ticket is None:
+                    mine = range(lo, hi)
+                else:
+                    ans = yield _Await(ticket)
+                    mine = []
+                    for j, st in enumerate(ans["status"]):
+                        result[lo + j] = st == protocol.ALLOC_PRESENT
+                        if st == protocol.ALLOC_WRITE:
+                            mine.append(lo + j)
+                            slot[lo + j] = ans["offsets"][j]
+                    taken += mine  # before any copy: a failed copy gives them all back
+                if si == len(segs) - 1 and lo > sent:
+                    # Before the last segment is copied: the pages so far are committed meanwhile, and only
+                    # the last segment's commit is left for the client to wait on.
+                    acks += yield from self._store_acks(
+                        keys, spare, range(sent, lo), slot, sums, now=late is None
+                    )
+                    sent = lo
+                    if late is not None:
+                        refill, late = (yield _SendNow(late)), None
+                if mine:
+                    got = self._copy([slot[i] for i in mine], [srcs[i] for i in mine], True)
+                    if got is not None:
+                        sums.update(zip(mine, got, strict=True))
+            acks += yield from self._store_acks(keys, spare, range(sent, n), slot, sums, now=False)
+            sent = n
+            if late is not None:
+                refill, late = (yield _Send(late)), None
+        except BaseException:
+            if taken:
+                yield _NoReply(op="abort", keys=[keys[i] for i in taken])
+            self._give_back(spare[sent:])  # reserved slots never put are still this connection's
+            # Allocations answered after the failure still hold slots: give them back.
+            for lo, _, ticket in segs[done:]:
+                if ticket is None:
+                    continue
+                try:
+                    ans = yield _Await(ticket)
+                except HicachedError:
+                    continue
+                held = [keys[lo + i] for i, st in enumerate(ans["status"]) if st == protocol.ALLOC_WRITE]
+                if held:
+                    yield _NoReply(op="abort", keys=held)
+            yield from self._collect_acks(acks, spare, result)
+            yield from self._collect_refill(refill)
+            raise
+        # At most two commits (and two puts) a call: the pages before the last segment (sent above, before
+        # its copy) and the last segment's. A page is reported stored only once the daemon has it, so any
+        # connection that asks next sees it.
+        error = yield from self._collect_acks(acks, spare, result)
+        yield from self._collect_refill(refill)
+        if error is not None:
+            raise error
+        return result
+
+    def _collect_acks(
+        self, acks: list[tuple[list[int], Any, bool]], spare: list[int], result: list[bool]
+    ) -> Generator[Any, Any, HicachedError | None]:
+        """Every answer to the commits and puts sent (none is left behind); the first error, if any. A
+        put refused as a whole (draining) left its slots reserved: they come back to this client."""
+        error = None
+        for indices, ticket, is_put in acks:
+            try:
+                ans = yield _Await(ticket)
+            except HicachedError as e:
+                error = error or e
+                if is_put:
+                    self._give_back([spare[i] for i in indices])
+                continue
+            if is_put:
+                self._put_done(ans, indices, spare, result)
+            else:
+                for i, good in zip(indices, ans["ok"], strict=True):
+                    result[i] = bool(good)
+        return error
+
+    def _store_acks(
+        self,
+        keys: list[str],
+        spare: list[int],
+        indices: range,
+        slot: dict[int, int],
+        sums: dict[int, int],
+        now: bool,
+    ) -> Generator[Any, Any, list[tuple[list[int], Any, bool]]]:
+        """Sends the commit (slots from alloc) and the put (reserved slots) of the pages at `indices` that
+        were copied, with their checksums where the copy took them; with `now`, written at once. Returns
+        (indices, ticket, is a put) for each."""
+        r = len(spare)
+        put = [i for i in indices if i < r]
+        com = [i for i in indices if i >= r and i in slot]
+        reqs = []
+        if com:
+            commit = {"op": "commit", "keys": [keys[i] for i in com]}
+            if sums:
+                commit["sums"] = [sums[i] for i in com]
+            reqs.append((com, False, commit))
+        if put:
+            puts = {"op": "put", "keys": [keys[i] for i in put], "offsets": [spare[i] for i in put]}
+            if sums:
+                puts["sums"] = [sums[i] for i in put]
+            reqs.append((put, True, puts))
+        out = []
+        for j, (idx, is_put, req) in enumerate(reqs):
+            kind = _SendNow if now and j == len(reqs) - 1 else _Send
+            out.append((idx, (yield kind(req)), is_put))
+        return out
+
+    def _put_done(
+        self, ans: dict[str, Any], indices: list[int], spare: list[int], result: list[bool]
+    ) -> None:
+        back = []
+        for i, st in zip(indices, ans["status"], strict=True):
+            result[i] = st in (protocol.PUT_STORED, protocol.PUT_PRESENT)
+            if st != protocol.PUT_STORED:
+                back.append(spare[i])  # the daemon kept it reserved for us
+        self._give_back(back)
+
+    def _collect_refill(self, refill: Any) -> Generator[Any, Any, None]:
+        if refill is None:
+            return
+        try:
+            ans = yield _Await(refill)
+        except HicachedError:
+            return  # draining, say: the next store allocates instead
+        with self._reserve_lock:
+            self._reserve_limit = ans.get("limit", 0)
+            self._reserved += ans["offsets"]
+
+    def _take_reserved(self, n: int) -> list[int]:
+        """Up to half of what the daemon lets this connection hold: the slots a store fills come back
+        while it runs (its refill goes out first), and the daemon counts those still being filled. None
+        once the daemon has closed the connection (a store may copy into these before it sends anything)."""
+        if not self._reserved:
+            return []
+        if self.peer_closed():
+            self._drop_reserved()
+            return []
+        with self._reserve_lock:
+            k = min(n, (self._reserve_limit or 0) // 2)
+            out = self._reserved[:k]
+            del self._reserved[:k]
+        return out
+
+    def _drop_reserved(self) -> None:
+        """The connection is gone: the daemon freed the slots it held for it."""
+        with self._reserve_lock:
+            self._reserved.clear()
+            self._reserve_limit = 0
+
+    def _give_back(self, offsets: list[int]) -> None:
+        if offsets:
+            with self._reserve_lock:
+                self._reserved += offsets
+
+    def _refill_wanted(self, n: int) -> int:
+        """How many slots to ask the daemon to set aside for the next stores (it may grant fewer)."""
+        with self._reserve_lock:
+            limit = self._reserve_limit
+            target = n if limit is None else limit // 2
+            return max(0, target - len(self._reserved))
+
+    def _orphaned(self, req: dict[str, Any], ans: Any) -> dict[str, Any] | None:
+        """An answer that came after its caller stopped waiting for it (a time-out, a cancelled task): gives
+        back what it holds. Returns the request (sent without waiting for its answer) that frees it on the
+        daemon's side, if one is needed: else a lease or slots stay taken until the connection closes."""
+        if not isinstance(ans, dict) or ans.get("error") is not None:
+            return None
+        op = req.get("op")
+        if op == "acquire" and ans.get("offsets"):
+            return _NoReply(op="release", lease=ans["lease"])
+        if op == "alloc":
+            keys = [
+                k
+                for k, st in zip(req["keys"], ans.get("status", ()), strict=False)
+                if st == protocol.ALLOC_WRITE
+            ]
+            return _NoReply(op="abort", keys=keys) if keys else None
+        if op == "reserve":
+            self._give_back(list(ans.get("offsets", ())))  # still this connection's: the next stores use them
+        return None
+
+    def op_load(self, keys: Sequence[str], buffers: Sequence[Any]) -> Op:
+        if len(keys) != len(buffers):
+            raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(buffers)} buffers")
+        dsts = [_as_bytes_array(b, self.page_bytes, True, f"buffer {i}") for i, b in enumerate(buffers)]
+        if not keys:
+            return 0
+        ans = yield {"op": "acquire", "keys": list(keys)}
+        offsets = ans["offsets"]
+        if not offsets:
+            return 0
+        try:
+            self._copy(offsets, dsts[: len(offsets)], False)
+        finally:
+            yield _NoReply(op="release", lease=ans["lease"])
+        return len(offsets)
+
+    def op_get(self, keys: Sequence[str]) -> Op:
+        if not keys:
+            return []
+        ans = yield {"op": "acquire", "keys": list(keys)}
+        if not ans["offsets"]:
+            return []
+        try:
+            return [self._slot(off).tobytes() for off in ans["offsets"]]
+        finally:
+            yield _NoReply(op="release", lease=ans["lease"])
+
+    def op_prefetch(self, keys: Sequence[str], priority: int) -> Op:
+        return (yield {"op": "prefetch", "keys": list(keys), "priority": int(priority)})["handle"]
+
+    def op_wait(self, handle: int, timeout: float | None) -> Op:
+        req: dict[str, Any] = {"op": "wait", "handle": handle}
+        if timeout is not None:
+            req["timeout"] = float(timeout)
+        return (yield req)["n"]
+
+    def op_pin(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "pin", "keys": list(keys)})["n"]
+
+    def op_unpin(self, keys: Sequence[str]) -> Op:
+        return (yield {"op": "unpin", "keys": list(keys)})["n"]
+
+    def op_simple(self, op: str) -> Op:
+        ans = yield {"op": op}
+        ans.pop("id", None)
+        return ans
