@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import tomllib
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from .schema import Config
-from .units import parse_duration, parse_size
+from .schema import MAX_CONCURRENCY, Config
+from .units import MiB, parse_duration, parse_size
+
+# A configuration is a few KiB: past this, the path names something else (a log, a core file).
+MAX_FILE_BYTES = 1 * MiB
+# TOML's integers are 64-bit signed: a larger one cannot be meant, and would overflow where it is used.
+MAX_INT = 2**63 - 1
 
 
 class ConfigError(ValueError):
@@ -23,23 +29,93 @@ class ConfigError(ValueError):
 
 
 def load(path: str | os.PathLike[str]) -> Config:
-    """Read, parse and validate a configuration file."""
+    """Read, parse and validate a configuration file. Every way a file can fail (missing, unreadable, not
+    UTF-8, not TOML, empty, a bad value) is a ConfigError saying why."""
     path = os.fspath(path)
+    text = _read(path)
+    raw = _parse(path, text)
+    if not raw:
+        # A file emptied or cut short by accident would otherwise swap the running backend for the default
+        # one on the next reload, and report it as applied.
+        what = "is empty" if not text.strip() else "sets nothing (it holds only comments)"
+        raise ConfigError(
+            "",
+            f"{path} {what}: refusing to run on the built-in defaults; write the settings (at least one, "
+            'such as [storage] backend = "file")',
+        )
+    return from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def socket_path(path: str | os.PathLike[str]) -> str:
+    """The daemon's socket as the file at `path` names it (absolute), read even when the rest of the file
+    does not validate: `hicached ctl reload` must reach the daemon to hear why it refuses the file."""
+    path = os.fspath(path)
+    raw = _parse(path, _read(path))
+    server = raw.get("server", {})
+    value = server.get("socket", Config().server.socket) if isinstance(server, dict) else None
+    if not isinstance(value, str) or not value:
+        raise ConfigError("server.socket", "must name the path of the Unix socket")
+    return resolve_path(Config(base_dir=os.path.dirname(os.path.abspath(path))), value)
+
+
+def _read(path: str) -> str:
     try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
+        # O_NONBLOCK: a FIFO put in the file's place must not hang a reload until something writes to it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError("", f"configuration file {path!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError("", f"cannot read configuration file {path!r}: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError("", f"configuration file {path!r} is a directory")
+        if not stat.S_ISREG(mode):
+            raise ConfigError("", f"configuration file {path!r} is not a regular file")
+        data = bytearray()
+        while len(data) <= MAX_FILE_BYTES and (chunk := os.read(fd, MAX_FILE_BYTES + 1 - len(data))):
+            data += chunk
+    except OSError as e:
+        raise ConfigError("", f"cannot read configuration file {path!r}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError("", f"{path} is larger than {MAX_FILE_BYTES >> 20} MiB: not a configuration file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(
+            "", f"{path} is not UTF-8 text: byte 0x{data[e.start]:02x} at line {line}, column {column}"
+        ) from None
+
+
+def _parse(path: str, text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("", f"{path} is not valid TOML: {e}") from None
-    return from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
+    except RecursionError:
+        raise ConfigError("", f"{path} is not valid TOML: its arrays or tables nest too deeply") from None
 
 
 def from_dict(raw: dict[str, Any], base_dir: str = ".") -> Config:
     cfg = _build(Config, raw, "")
     cfg.base_dir = os.path.abspath(base_dir)
+    cfg.present = frozenset(_paths(raw, ""))
     validate(cfg)
     return cfg
+
+
+def _paths(raw: dict[str, Any], prefix: str) -> list[str]:
+    out = []
+    for name, value in raw.items():
+        path = _join(prefix, name)
+        out.append(path)
+        if isinstance(value, dict):
+            out += _paths(value, path)
+    return out
 
 
 def resolve_path(cfg: Config, value: str) -> str:
@@ -71,7 +147,7 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         base, marker = get_args(hint)[0], get_args(hint)[1]
         try:
             if marker == "size":
-                return parse_size(value)
+                return _in_range(parse_size(value))
             if marker == "duration":
                 return parse_duration(value)
             if marker == "mode":
@@ -98,7 +174,10 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"expected an integer, got {value!r}")
-        return value
+        try:
+            return _in_range(value)
+        except ValueError as e:
+            raise ConfigError(path, str(e)) from None
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(path, f"expected a number, got {value!r}")
@@ -108,6 +187,12 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
             raise ConfigError(path, f"expected a string, got {value!r}")
         return value
     raise ConfigError(path, f"internal: unsupported schema type {hint!r}")
+
+
+def _in_range(value: int) -> int:
+    if not -MAX_INT - 1 <= value <= MAX_INT:
+        raise ValueError(f"{value} is out of range: a 64-bit integer is at most {MAX_INT}")
+    return value
 
 
 def _parse_mode(value: Any) -> int:
@@ -133,6 +218,57 @@ def _positive(cfg: Any, prefix: str, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
             raise ConfigError(_join(prefix, name), f"must be greater than 0, got {getattr(cfg, name)!r}")
+
+
+def _at_most(cfg: Any, prefix: str, name: str, bound: int) -> None:
+    if getattr(cfg, name) > bound:
+        raise ConfigError(_join(prefix, name), f"must be at most {bound}, got {getattr(cfg, name)!r}")
+
+
+# What names the store of each network backend. Without it in the file the backend is refused, never pointed
+# at a default address: that could be an application's own Redis, or a bucket of someone else's.
+_NAMED_BY = {
+    "redis": ("url", "its server", 'url = "redis://host:6379/0"'),
+    "s3": ("bucket", "its bucket", 'bucket = "name", and endpoint_url for a store other than AWS'),
+}
+
+
+def check_backend(cfg: Config, backend: str) -> None:
+    """Checks that `backend` can be built from `cfg`: the configured one (validate), or the one that
+    `hicached ctl backend attach` names. The file backend has a default root; redis and s3 are used only
+    where the file has their section and names their server in it."""
+    st = cfg.storage
+    if backend == "none":
+        return
+    if backend == "file":
+        if not st.file.root:
+            raise ConfigError("storage.file.root", "must name a directory for the file backend")
+        return
+    if backend not in _NAMED_BY:
+        raise ConfigError("storage.backend", f"unknown backend {backend!r}: none, file, redis or s3")
+    section = f"storage.{backend}"
+    key, what, example = _NAMED_BY[backend]
+    if section not in cfg.present:
+        raise ConfigError(
+            section,
+            f"the {backend} backend needs a [{section}] section naming {what} ({example}); the file has "
+            "none, and no default is assumed",
+        )
+    if f"{section}.{key}" not in cfg.present:
+        raise ConfigError(
+            f"{section}.{key}",
+            f"must name {what} for the {backend} backend ({example}); no default is assumed",
+        )
+    if backend == "redis":
+        url = st.redis.url
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("storage.redis.url", f"expected redis://, rediss:// or unix://, got {url!r}")
+        if st.redis.cluster and url.startswith("unix://"):
+            raise ConfigError(
+                "storage.redis.url", "a Redis Cluster is reached over TCP: use redis:// or rediss://"
+            )
+    elif not st.s3.bucket:
+        raise ConfigError("storage.s3.bucket", "must name a bucket for the s3 backend")
 
 
 def validate(cfg: Config) -> None:
@@ -190,22 +326,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError("storage.file.write_nice", "must be between 0 and 19")
     if not 0.0 < st.file.low_watermark < 1.0:
         raise ConfigError("storage.file.low_watermark", "must be between 0 and 1 (a fraction of max_bytes)")
-    if st.backend == "file" and not st.file.root:
-        raise ConfigError("storage.file.root", 'must name a directory when storage.backend = "file"')
+    for name in ("backup_concurrency", "prefetch_concurrency"):
+        _at_most(st, "storage", name, MAX_CONCURRENCY)
+    _at_most(st.file, "storage.file", "io_threads", MAX_CONCURRENCY)
     r = st.redis
     _positive(r, "storage.redis", "max_connections", "socket_timeout", "connect_timeout")
-    if st.backend == "redis" and not r.url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("storage.redis.url", f"expected redis://, rediss:// or unix://, got {r.url!r}")
-    if st.backend == "redis" and r.cluster and r.url.startswith("unix://"):
-        raise ConfigError(
-            "storage.redis.url", "a Redis Cluster is reached over TCP: use redis:// or rediss://"
-        )
     if r.ttl < 0:
         raise ConfigError("storage.redis.ttl", f"must be 0 (no expiry) or more, got {r.ttl!r}")
-    s3 = st.s3
-    _positive(s3, "storage.s3", "max_connections", "connect_timeout", "read_timeout", "max_attempts")
-    if st.backend == "s3" and not s3.bucket:
-        raise ConfigError("storage.s3.bucket", 'must name a bucket when storage.backend = "s3"')
+    _positive(st.s3, "storage.s3", "max_connections", "connect_timeout", "read_timeout", "max_attempts")
+    check_backend(cfg, st.backend)
     _positive(cfg.shutdown, "shutdown", "flush_timeout")
     if not 0.0 <= cfg.warmup.max_fraction <= 1.0:
         raise ConfigError("warmup.max_fraction", "must be between 0 and 1")

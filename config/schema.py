@@ -19,6 +19,10 @@ WritePolicy = Literal["write_through", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
+# Bound on the backend calls in flight per direction and on the file backend's I/O threads: each is a task or
+# a thread that a reload starts at once, and a typo of a few digits must not stall the daemon.
+MAX_CONCURRENCY = 1024
+
 
 @dataclass
 class ServerConfig:
@@ -247,3 +251,6 @@ class Config:
     regions: RegionsConfig = field(default_factory=RegionsConfig)
     # Directory of the file the configuration came from; relative paths resolve against it.
     base_dir: str = field(default=".", metadata={"internal": True})
+    # The tables and keys the file set, as dotted paths ("storage.redis", "storage.redis.url"): a network
+    # backend is used only where the file names its server, never on a default address (loader.check_backend).
+    present: frozenset[str] = field(default=frozenset(), metadata={"internal": True})

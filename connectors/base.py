@@ -11,11 +11,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 log = logging.getLogger("hicached.connectors")
 
@@ -48,6 +50,64 @@ class Capabilities:
     shared: bool  # other nodes can see what this node writes
     persistent: bool  # survives a restart of the store
     ttl: bool  # objects can expire by themselves
+
+
+class Hold:
+    """The buffers of one call (a put's payloads, a get_into's destinations), held past its answer.
+
+    A call answers when its time is up, but a thread that is in the middle of a page (a pwritev into a
+    file, a preadv into a slot, a copy) cannot be stopped there. A connector that runs such work adds each
+    piece still running when it answers (`track`, `track_thread`); the caller reuses the buffers only once
+    every piece ended (`released`, `when_released`). Work that had not started when the call answered is
+    cancelled by the connector and never touches them. A call with nothing left running holds nothing."""
+
+    __slots__ = ("_pending", "_callbacks")
+
+    def __init__(self) -> None:
+        self._pending = 0
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def released(self) -> bool:
+        return self._pending == 0
+
+    @property
+    def pending(self) -> int:
+        """Pieces of work still running on the buffers."""
+        return self._pending
+
+    def when_released(self, fn: Callable[[], None]) -> None:
+        """Calls `fn` on the event loop once nothing runs on the buffers: now, if nothing does."""
+        if self._pending:
+            self._callbacks.append(fn)
+        else:
+            fn()
+
+    def track(self, fut: asyncio.Future[Any]) -> None:
+        """An asyncio future that completes (on the event loop) when its piece of work ended."""
+        if fut.done():
+            return
+        self._pending += 1
+        fut.add_done_callback(self._ended)
+
+    def track_thread(self, fut: concurrent.futures.Future[Any], loop: asyncio.AbstractEventLoop) -> None:
+        """A thread pool's future: cancelled if it has not started, else held until it ends."""
+        if fut.cancel() or fut.done():
+            return
+        self._pending += 1
+
+        def ended(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to give buffers to
+                loop.call_soon_threadsafe(self._ended, None)
+
+        fut.add_done_callback(ended)
+
+    def _ended(self, _: object) -> None:
+        self._pending -= 1
+        if not self._pending:
+            callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                fn()
 
 
 def put_checksums(
@@ -86,17 +146,22 @@ class Connector(abc.ABC):
         keys: Sequence[str],
         payloads: Sequence[memoryview],
         checksums: Sequence[int | None] | None = None,
+        hold: Hold | None = None,
     ) -> list[bool]:
         """Stores each payload under its key with a header; True per page written. `checksums`: each
-        payload's xxh3-64 where known (taken by the engine's client as it stored the page), for the header
-        as it is, so the payload is not read again to hash it; None (or an item None): computed here."""
+        payload's xxh3-64 as the page entered L2 (the daemon passes one for every page): it goes into the
+        header, and a page is published (made readable under its key) only if its bytes, as written, hash
+        to it; a page whose bytes changed since is not stored (False), so L3 never holds under a key bytes
+        other than those acknowledged under it. None (or an item None): computed here (probes, tests).
+        `hold`: see Hold; the payloads may be reused once it is released."""
 
     @abc.abstractmethod
     async def get_into(
-        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], hold: Hold | None = None
     ) -> list[bool]:
         """Reads each page's payload into its buffer (of exactly the payload length); True per page that
-        was present and verified. A corrupt or short object is a miss, is counted and is removed."""
+        was present and verified. A corrupt or short object is a miss, is counted and is removed.
+        `hold`: see Hold; the buffers may be reused once it is released."""
 
     @abc.abstractmethod
     async def exists(self, namespace: str, keys: Sequence[str]) -> int:

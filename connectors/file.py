@@ -27,11 +27,19 @@ from hicached.config import Config, resolve_path
 from hicached.common.keys import KEY_MAX_LEN, NAMESPACE_MAX_LEN, valid_key, valid_namespace
 
 from . import file_janitor, header
-from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, put_checksums
+from .base import (
+    PROBE_NAMESPACE,
+    BackendMisconfigured,
+    BackendUnavailable,
+    Capabilities,
+    Connector,
+    Hold,
+    put_checksums,
+)
 
 log = logging.getLogger("hicached.connectors.file")
 
-_PAGEIO_API = 4  # the arguments and answers of hicached.common._pageio that this file was written for
+_PAGEIO_API = 5  # the arguments and answers of hicached.common._pageio that this file was written for
 try:  # the C page I/O (hicached/common/_pageio.c), built by the install where a C compiler is at hand
     from hicached.common import _pageio
 except ImportError:
@@ -69,7 +77,13 @@ _NATIVE_CORRUPT = (
 )
 
 _HIT, _MISS, _CANCELLED = "hit", "miss", "cancelled"
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+_CHANGED = "changed"  # a write whose payload did not hash to its checksum as written: not published
+# Pages are opened beneath the root one directory at a time, none through a symlink (O_NOFOLLOW; with
+# O_DIRECTORY a symlink fails as ENOTDIR), and a read never waits in open() (O_NONBLOCK: a FIFO's open
+# would wait for a writer; a regular file reads the same).
+_ROOT_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 # A batch goes to the io threads in jobs of at least this many bytes (or one job): each job costs thread
 # hand-offs that outweigh the I/O of a few small pages, and the callers' own concurrency keeps threads busy.
@@ -84,6 +98,53 @@ _CHUNK = 256 << 10
 # when the mark is older than this: utime costs ~0.5 us against ~9 us for reading a 256 KiB page from the
 # page cache, and dirties the inode, so hot pages are not touched on every read.
 _TOUCH_AFTER_S = 60.0
+
+
+class _Unpublished(Exception):
+    """A page written under its temporary name and not renamed into place: `result` says why."""
+
+    def __init__(self, result: str) -> None:
+        self.result = result
+
+
+class _NotPage:
+    """A read of a page's path that found no regular file there (a FIFO, a directory, a device): a miss
+    that says nothing about the store."""
+
+
+def _shard(key: str) -> tuple[str, str]:
+    """The two shard directories of a page: key[0:2] and key[2:4], the key padded with '_' to 4 characters."""
+    shard = key if len(key) >= 4 else key.ljust(4, "_")
+    return shard[0:2], shard[2:4]
+
+
+def _open_dir(root: int, parts: tuple[str, ...]) -> int:
+    """The directory root/parts[0]/parts[1]/... opened (O_PATH) one level at a time, none through a symlink
+    (NotADirectoryError where one is); FileNotFoundError where one is missing."""
+    fd = root
+    try:
+        for part in parts:
+            fd, parent = os.open(part, _DIR_FLAGS, dir_fd=fd), fd
+            if parent != root:
+                os.close(parent)
+    except BaseException:
+        if fd != root:
+            os.close(fd)
+        raise
+    return fd
+
+
+def _size_at(directory: int, name: str) -> int:
+    try:
+        return os.stat(name, dir_fd=directory, follow_symlinks=False).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """A done callback: marks a future's outcome as seen (a job given up on may fail after its call)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def default_io_threads() -> int:
@@ -109,12 +170,14 @@ def _errname(e: OSError) -> str:
 
 
 def _native_write_result(code: int) -> str | None:
-    """A write result of hicached.common._pageio as _write_chunk reports it: None, _CANCELLED,
+    """A write result of hicached.common._pageio as _write_chunk reports it: None, _CANCELLED, _CHANGED,
     "invalid_key" or an errno name."""
     if code == 0:
         return None
     if code == _pageio.BAD_KEY:
         return "invalid_key"
+    if code == _pageio.CHANGED:
+        return _CHANGED
     return _CANCELLED if code < 0 else errno.errorcode.get(code, "EIO")
 
 
@@ -233,6 +296,8 @@ class FileConnector(Connector):
         self._leftovers_due: float | None = None
         # Scans walk the whole tree: on a thread of their own, so that they never hold up page I/O.
         self._scan_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicached-file-janitor")
+        # The breaker's probe runs on a thread of its own: it never waits behind page I/O.
+        self._probe_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicached-file-probe")
 
     async def start(self) -> None:
         kw = {"executor": self._executor}
@@ -295,6 +360,7 @@ class FileConnector(Connector):
             self._executor.shutdown(wait=False)
             self._write_executor.shutdown(wait=False)
             self._scan_executor.shutdown(wait=False)
+            self._probe_executor.shutdown(wait=False)
             if self._engines is not None:
                 for engine in self._engines:
                     engine.close()
@@ -328,6 +394,39 @@ class FileConnector(Connector):
 
     def location(self) -> tuple:
         return ("file", self.root)
+
+    async def probe(self, timeout: float = 10.0) -> None:
+        """Writes, reads back and removes a probe page on a thread of its own, never queued behind the io
+        threads: what they may be stuck on (one odd object, a slow page) says nothing of whether the store
+        works. BackendError if it does not, or does not answer within `timeout`."""
+        if self._closed:
+            raise BackendUnavailable(self.name, "connector is closed", "closed")
+        job = self._probe_executor.submit(self._probe_here)
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.wrap_future(job)
+        except TimeoutError:
+            raise BackendUnavailable(
+                self.name, f"probe did not finish within {timeout}s", "timeout"
+            ) from None
+        except OSError as e:
+            raise BackendUnavailable(self.name, f"probe failed: {e}", _errname(e)) from None
+        for what in ("puts", "gets", "hits", "deletes"):  # as a probe through put, get_into, delete counts
+            self.counters[what] += 1
+
+    def _probe_here(self) -> None:
+        payload = memoryview(b"hicached-probe-" + bytes(range(256)))
+        back = memoryview(bytearray(len(payload)))
+        bufs = (memoryview(bytearray(header.HEADER_SIZE)), memoryview(bytearray(1)))
+        key = self._probe_key
+        root = self._open_root()
+        try:
+            self._write_one(root, PROBE_NAMESPACE, key, payload)
+            if self._read_one(root, PROBE_NAMESPACE, key, back, bufs) != _HIT or back != payload:
+                raise BackendUnavailable(self.name, "probe read did not return what was written", "probe")
+        finally:
+            os.close(root)
+        self._remove_all(PROBE_NAMESPACE, [key])
 
     def info(self) -> dict:
         out = {
@@ -421,6 +520,7 @@ class FileConnector(Connector):
         keys: Sequence[str],
         payloads: Sequence[memoryview],
         checksums: Sequence[int | None] | None = None,
+        hold: Hold | None = None,
     ) -> list[bool]:
         sums = put_checksums(keys, payloads, checksums)
         views = list(map(_byte_view, payloads))
@@ -431,10 +531,10 @@ class FileConnector(Connector):
             self.counters["errors.invalid_namespace"] += len(keys)
             return [False] * len(keys)
         if self._engines is not None:
-            results = await self._engine_put(namespace, keys, views, sums)
+            results = await self._engine_put(namespace, keys, views, sums, hold)
         else:
             results = await self._batch(
-                self._write_chunk, namespace, keys, views, "put", self._write_executor, sums
+                self._write_chunk, namespace, keys, views, "put", hold, self._write_executor, sums
             )
         ok = []
         for result, view in zip(results, views, strict=True):
@@ -451,7 +551,7 @@ class FileConnector(Connector):
         return ok
 
     async def get_into(
-        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], hold: Hold | None = None
     ) -> list[bool]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -462,9 +562,9 @@ class FileConnector(Connector):
         results = [_MISS] * len(keys)
         if keys and valid_namespace(namespace):
             if self._engines is not None:
-                results = await self._engine_get(namespace, keys, views)
+                results = await self._engine_get(namespace, keys, views, hold)
             else:
-                results = await self._batch(self._read_chunk, namespace, keys, views, "get")
+                results = await self._batch(self._read_chunk, namespace, keys, views, "get", hold)
         hits = [result == _HIT for result in results]
         nhits = hits.count(True)
         self.counters["hits"] += nhits
@@ -474,15 +574,21 @@ class FileConnector(Connector):
         return hits
 
     def _count_misses(self, namespace: str, keys: Sequence[str], results: list[Any]) -> None:
+        odd = None
         for key, result in zip(keys, results, strict=True):
             if result == _HIT:
                 continue
             self.counters["misses"] += 1
             if isinstance(result, header.CorruptPage):
                 self.corrupt(namespace, key, result.reason, str(result))
+            elif isinstance(result, _NotPage):
+                self.counters["not_a_page"] += 1
+                odd = odd or key
             elif isinstance(result, OSError):
                 self.counters[f"errors.{_errname(result)}"] += 1
                 log.warning("file: reading page %s/%s failed (%s); treated as a miss", namespace, key, result)
+        if odd is not None:  # once a call: left there by someone else, and not ours to remove
+            log.warning("file: %s is not a regular file; treated as a miss", self._path(namespace, odd))
 
     async def exists(self, namespace: str, keys: Sequence[str]) -> int:
         if not keys or not valid_namespace(namespace):
@@ -524,43 +630,46 @@ class FileConnector(Connector):
         keys,
         views,
         what: str,
+        hold: Hold | None,
         executor: ThreadPoolExecutor | None = None,
         sums: list[int | None] | None = None,
     ) -> list:
         """Runs `chunk_fn` over slices of the batch at once, one executor job each (see _JOB_MIN_BYTES);
         with `sums`, each job also gets its slice of them."""
+        if self._closed:
+            raise BackendUnavailable(self.name, "connector is closed", "closed")
+        loop = asyncio.get_running_loop()
         stop = bytearray(1)  # set to 1 to cancel: read by the Python loops before each page
-        parts = self._parts(views)
-
-        async def run_all(executor: ThreadPoolExecutor) -> list:
-            run = asyncio.get_running_loop().run_in_executor
-            futures = [
-                run(
-                    executor,
-                    chunk_fn,
-                    namespace,
-                    keys[s],
-                    views[s],
-                    stop,
-                    *(() if sums is None else (sums[s],)),
-                )
-                for s in parts
-            ]
-            # Every job is awaited before we answer (unless timed out), so no worker writes into a buffer
-            # that the caller already took back as a miss.
-            return await asyncio.gather(*futures, return_exceptions=True)
-
+        jobs = [
+            (executor or self._executor).submit(
+                chunk_fn, namespace, keys[s], views[s], stop, *(() if sums is None else (sums[s],))
+            )
+            for s in self._parts(views)
+        ]
+        waits = [asyncio.wrap_future(job, loop=loop) for job in jobs]
         try:
-            done = await self._call(run_all, what=what, executor=executor)
+            async with asyncio.timeout(self._timeout):
+                await asyncio.wait(waits)  # never cancels them: a job in flight still owns its buffers
+        except TimeoutError:
+            self.counters["errors.timeout"] += 1
+            raise BackendUnavailable(self.name, f"{what} took over {self._timeout}s", "timeout") from None
         finally:
             stop[0] = 1  # after a time-out, workers stop before their next page
+            for job, wait in zip(jobs, waits, strict=True):
+                wait.add_done_callback(_retrieved)
+                if not job.done():  # given up: not begun, it never runs; begun, its buffers stay held
+                    if hold is not None:
+                        hold.track_thread(job, loop)
+                    else:
+                        job.cancel()
         out: list = []
-        for part in done:
-            if isinstance(part, BaseException):
-                if isinstance(part, OSError):
-                    raise BackendUnavailable(self.name, f"{what} failed: {part}", _errname(part)) from part
-                raise part
-            out.extend(part)
+        for job in jobs:
+            error = job.exception()
+            if error is not None:
+                if isinstance(error, OSError):
+                    raise BackendUnavailable(self.name, f"{what} failed: {error}", _errname(error)) from error
+                raise error
+            out.extend(job.result())
         return out
 
     def _parts(self, views: list[memoryview]) -> list[slice]:
@@ -569,37 +678,43 @@ class FileConnector(Connector):
         jobs = max(1, min(self._threads, n, sum(map(len, views)) // _JOB_MIN_BYTES))  # byte views
         return [slice(i * n // jobs, (i + 1) * n // jobs) for i in range(jobs)]
 
-    async def _engine_run(self, what: str, stop: bytearray, calls: list[tuple[Callable, tuple]]) -> list:
+    async def _engine_run(
+        self, what: str, stop: bytearray, calls: list[tuple[Callable, tuple]], hold: Hold | None = None
+    ) -> list:
         """Runs jobs on the C engines: each (submit, args) is queued at once with a future of its own, which
-        _reap completes; returns each job's result codes, in order."""
+        _reap completes; returns each job's result codes, in order. A job given up on (a time-out, the call
+        cancelled) that no thread has begun is taken off its queue; one that runs keeps its buffers in
+        `hold` until it ends (after its page in progress: the threads see `stop` before the next one)."""
         if self._closed:
             raise BackendUnavailable(self.name, "connector is closed", "closed")
         loop = asyncio.get_running_loop()
         if loop is not self._engine_loop:  # a connector started on one loop and used on another
             self._watch(loop)
-        futures = []
+        jobs: list[tuple[Any, asyncio.Future[Any]]] = []
         try:
             for submit, args in calls:
                 future = loop.create_future()
                 submit(future, *args)
                 self._in_engines += 1
-                futures.append(future)
-            # Every job is awaited before we answer (unless timed out), so no thread writes into a buffer
-            # that the caller already took back as a miss.
+                jobs.append((submit.__self__, future))
             async with asyncio.timeout(self._timeout):
-                done = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
+                await asyncio.wait([f for _, f in jobs])  # never cancels them: _reap completes each
         except TimeoutError:
             self.counters["errors.timeout"] += 1
             raise BackendUnavailable(self.name, f"{what} took over {self._timeout}s", "timeout") from None
         finally:
             stop[0] = 1  # after a time-out, the threads stop before their next page
+            for engine, future in jobs:
+                if not future.done() and not engine.cancel(future) and hold is not None:
+                    hold.track(future)
+        done = [future.result() for _, future in jobs]
         for _, root_errno in done:
             if root_errno:  # a missing page is a miss, a missing root fails the call
                 self._root_unusable(root_errno)
         return [codes for codes, _ in done]
 
     async def _engine_put(
-        self, namespace: str, keys, views: list[memoryview], sums: list[int | None] | None
+        self, namespace: str, keys, views: list[memoryview], sums: list[int | None] | None, hold: Hold | None
     ) -> list[str | None]:
         stop = bytearray(1)  # set to 1 to cancel: the engine's threads read it before each page
         write, root, tag = self._engines[1].write, self._root_bytes, self._native_tmp_tag
@@ -623,10 +738,12 @@ class FileConnector(Connector):
             )
             for s in self._parts(views)
         ]
-        done = await self._engine_run("put", stop, calls)
+        done = await self._engine_run("put", stop, calls, hold)
         return [result for codes in done for result in map(_native_write_result, codes)]
 
-    async def _engine_get(self, namespace: str, keys, views: list[memoryview]) -> list[Any]:
+    async def _engine_get(
+        self, namespace: str, keys, views: list[memoryview], hold: Hold | None
+    ) -> list[Any]:
         stop = bytearray(1)
         read, root, touch = (
             self._engines[0].read,
@@ -635,7 +752,7 @@ class FileConnector(Connector):
         )
         parts = self._parts(views)
         calls = [(read, (namespace, list(keys[s]), root, views[s], _CHUNK, stop, touch)) for s in parts]
-        done = await self._engine_run("get", stop, calls)
+        done = await self._engine_run("get", stop, calls, hold)
         out: list[Any] = []
         for s, codes in zip(parts, done, strict=True):
             out.extend(self._read_results(namespace, keys[s], codes))
@@ -661,8 +778,7 @@ class FileConnector(Connector):
         raise BackendUnavailable(self.name, f"root {self.root} is unusable: {e}", _errname(e))
 
     def _path(self, namespace: str, key: str) -> str:
-        shard = key if len(key) >= 4 else key.ljust(4, "_")
-        return f"{self.root}/{namespace}/{shard[0:2]}/{shard[2:4]}/{key}"
+        return f"{self.root}/{namespace}/{'/'.join(_shard(key))}/{key}"
 
     def _check_root(self) -> None:
         """Tells a missing object from a missing store: the latter fails the whole call."""
@@ -672,6 +788,15 @@ class FileConnector(Connector):
             self._root_unusable(e.errno or errno.EIO)
         if not stat.S_ISDIR(st.st_mode):
             self._root_unusable(errno.ENOTDIR)
+
+    def _open_root(self) -> int:
+        """The root as it is now, for a job's pages to be opened beneath it; a root that is gone fails the
+        call (BackendUnavailable)."""
+        try:
+            return os.open(self.root, _ROOT_FLAGS)
+        except OSError:
+            self._check_root()
+            raise
 
     def _add_stored(self, nbytes: int) -> None:
         if nbytes:
@@ -683,97 +808,122 @@ class FileConnector(Connector):
     ) -> list[str | None]:
         out: list[str | None] = []
         added = 0
-        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-            if stop[0]:
-                out.append(_CANCELLED)
-            elif not valid_key(key):
-                out.append("invalid_key")
-            else:
-                try:
-                    added += self._write_one(namespace, key, view, None if sums is None else sums[i])
-                    out.append(None)
-                except OSError as e:
-                    out.append(_errname(e))
+        root = self._open_root()
+        try:
+            for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+                if stop[0]:
+                    out.append(_CANCELLED)
+                elif not valid_key(key):
+                    out.append("invalid_key")
+                else:
+                    try:
+                        digest = None if sums is None else sums[i]
+                        added += self._write_one(root, namespace, key, view, digest, stop)
+                        out.append(None)
+                    except _Unpublished as e:
+                        out.append(e.result)
+                    except OSError as e:
+                        out.append(_errname(e))
+        finally:
+            os.close(root)
         self._add_stored(added)
         return out
 
-    def _tmp_path(self, final: str, key: str) -> str:
-        return f"{final[: final.rindex('/')]}/.{key}.{self._tmp_tag}{next(self._tmp_seq)}.tmp"
-
-    def _write_one(self, namespace: str, key: str, payload: memoryview, digest: int | None = None) -> int:
-        """Writes one page; returns by how many bytes the tree grew. `digest`: its checksum, when the caller
-        has it (taken as the engine stored the page): then the payload is not read again to hash it."""
-        final = self._path(namespace, key)
-        directory = final[: final.rindex("/")]
-        tmp = self._tmp_path(final, key)
+    def _write_one(
+        self,
+        root: int,
+        namespace: str,
+        key: str,
+        payload: memoryview,
+        digest: int | None = None,
+        stop: bytearray | None = None,
+    ) -> int:
+        """Writes one page; returns by how many bytes the tree grew. `digest`: its checksum as it entered L2;
+        the file is published (renamed to the page's name) only if what was written hashes to it, and only
+        while the call still wants it (`stop` not set). Raises _Unpublished otherwise."""
+        parts = (namespace, *_shard(key))
         try:
-            fd = os.open(tmp, _TMP_FLAGS, 0o600)
+            directory = _open_dir(root, parts)
         except FileNotFoundError:  # the first page of a shard: existing directories are never re-checked
-            self._make_shard(directory)
-            fd = os.open(tmp, _TMP_FLAGS, 0o600)
+            directory = self._make_shard(root, parts)
         try:
+            tmp = f".{key}.{self._tmp_tag}{next(self._tmp_seq)}.tmp"
+            fd = os.open(tmp, _TMP_FLAGS, 0o600, dir_fd=directory)
             try:
-                size = payload.nbytes
-                if digest is not None or size <= _CHUNK:  # a digest given: the payload is not read here
-                    head = header.encode(namespace, key, payload, digest)
-                    _pwritev_at(fd, [memoryview(head), payload], header.HEADER_SIZE + size, 0)
-                else:
-                    # Each chunk is hashed just before it is written, so the kernel copies it out of the CPU
-                    # cache; the header, which needs the checksum, goes last. Hashing a 2 MiB page in a
-                    # pass of its own reads it from memory twice: ~10 % slower writes.
-                    hasher = xxhash.xxh3_64()
-                    for start in range(0, size, _CHUNK):
-                        part = payload[start : start + _CHUNK]
-                        hasher.update(part)
-                        _pwritev_at(fd, [part], part.nbytes, header.HEADER_SIZE + start)
-                    head = header.pack(namespace, key, size, hasher.intdigest())
-                    _pwritev_at(fd, [memoryview(head)], header.HEADER_SIZE, 0)
-                if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            replaced = self._size_of(final) if self._max_bytes else 0  # a bound wants the estimate right
-            os.rename(tmp, final)
-            return header.HEADER_SIZE + size - replaced
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-
-    def _make_shard(self, directory: str) -> None:
-        """Creates `directory` and its missing parents up to the namespace directory, never the root: a
-        missing root fails the call (BackendUnavailable) instead of being quietly re-created."""
-        try:
-            os.mkdir(directory, 0o700)
-        except FileNotFoundError:
-            parent = directory[: directory.rindex("/")]
-            if parent == self.root:
-                self._check_root()
+                try:
+                    size = payload.nbytes
+                    if digest is None and size <= _CHUNK:  # nothing to check it against: hashed, then written
+                        head = header.encode(namespace, key, payload)
+                        _pwritev_at(fd, [memoryview(head), payload], header.HEADER_SIZE + size, 0)
+                    else:
+                        # Each chunk is hashed right after it is written (the kernel's copy brought it into
+                        # the CPU cache); the header, which needs the checksum, goes last.
+                        hasher = xxhash.xxh3_64()
+                        for start in range(0, size, _CHUNK):
+                            part = payload[start : start + _CHUNK]
+                            _pwritev_at(fd, [part], part.nbytes, header.HEADER_SIZE + start)
+                            hasher.update(part)
+                        actual = hasher.intdigest()
+                        if digest is not None and actual != digest:
+                            raise _Unpublished(_CHANGED)
+                        head = header.pack(namespace, key, size, actual)
+                        _pwritev_at(fd, [memoryview(head)], header.HEADER_SIZE, 0)
+                    if self._fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if stop is not None and stop[0]:  # given up meanwhile: not published
+                    raise _Unpublished(_CANCELLED)
+                replaced = _size_at(directory, key) if self._max_bytes else 0  # the estimate, right
+                os.rename(tmp, key, src_dir_fd=directory, dst_dir_fd=directory)
+                return header.HEADER_SIZE + size - replaced
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=directory)
                 raise
-            self._make_shard(parent)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(directory, 0o700)
-        except FileExistsError:  # another thread made it
-            pass
+        finally:
+            os.close(directory)
+
+    def _make_shard(self, root: int, parts: tuple[str, ...]) -> int:
+        """The directories of a page (namespace, k0k1, k2k3) made where missing, beneath `root` and never
+        through a symlink; the last one opened. Never the root itself: a missing root fails the call
+        (BackendUnavailable) instead of being quietly re-created."""
+        fd = root
+        try:
+            for part in parts:
+                with contextlib.suppress(FileExistsError):  # or another thread made it
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                fd, parent = os.open(part, _DIR_FLAGS, dir_fd=fd), fd
+                if parent != root:
+                    os.close(parent)
+        except BaseException:
+            if fd != root:
+                os.close(fd)
+            raise
+        return fd
 
     def _read_chunk(self, namespace: str, keys, views, stop: bytearray) -> list[Any]:
         out: list[Any] = []
         absent = False
         head = memoryview(bytearray(header.HEADER_SIZE))  # one per job: a page's header is parsed at once
         head = (head, memoryview(bytearray(1)))  # and a byte past the payload: a longer file is no page
-        for key, view in zip(keys, views, strict=True):
-            if stop[0]:
-                out.append(_CANCELLED)
-            elif not valid_key(key):
-                out.append(_MISS)
-            else:
-                try:
-                    out.append(self._read_one(namespace, key, view, head))
-                except (FileNotFoundError, NotADirectoryError):  # from the open: no such page
-                    absent = True
+        root = self._open_root()
+        try:
+            for key, view in zip(keys, views, strict=True):
+                if stop[0]:
+                    out.append(_CANCELLED)
+                elif not valid_key(key):
                     out.append(_MISS)
-                except OSError as e:
-                    out.append(e)
+                else:
+                    try:
+                        out.append(self._read_one(root, namespace, key, view, head))
+                    except (FileNotFoundError, NotADirectoryError):  # from the opens: no such page
+                        absent = True
+                        out.append(_MISS)
+                    except OSError as e:
+                        out.append(e)
+        finally:
+            os.close(root)
         if absent:  # once per job: a missing page is a miss, a missing root fails the call
             self._check_root()
         return out
@@ -791,6 +941,8 @@ class FileConnector(Connector):
                 out[i] = _CANCELLED
             elif code == native.BAD_KEY or code in (errno.ENOENT, errno.ENOTDIR):  # no such page
                 pass
+            elif code == native.NOT_PAGE:
+                out[i] = _NotPage()
             elif code < 0:
                 out[i] = header.CorruptPage(*_NATIVE_CORRUPT[code])
             else:
@@ -798,93 +950,126 @@ class FileConnector(Connector):
         return out
 
     def _read_one(
-        self, namespace: str, key: str, dest: memoryview, bufs: tuple[memoryview, memoryview]
+        self, root: int, namespace: str, key: str, dest: memoryview, bufs: tuple[memoryview, memoryview]
     ) -> Any:
         head, extra = bufs
-        path = self._path(namespace, key)
-        fd = os.open(path, _READ_FLAGS)
+        directory = _open_dir(root, (namespace, *_shard(key)))
         try:
-            size = dest.nbytes
-            expected = header.HEADER_SIZE + size
+            # O_NONBLOCK: a FIFO's (or a device's) open would wait for a peer; a regular file reads the same.
             try:
-                # No fstat on the way: a short file shows in what preadv returns, a wrong length in the
-                # header, and a longer one in the byte past the payload that the same call reads.
-                # Every line here runs per page on threads that share the GIL: kept to few calls.
-                if size <= _CHUNK:
-                    got = _preadv_at(fd, [head, dest, extra], expected, 0)
-                    actual = xxhash.xxh3_64_intdigest(dest)
-                else:
-                    part = dest[:_CHUNK]
-                    got = _preadv_at(fd, [head, part], header.HEADER_SIZE + _CHUNK, 0)
-                    hasher = xxhash.xxh3_64(part)
-                    end = _CHUNK
-                    while got == header.HEADER_SIZE + end and end < size:
-                        start, end = end, min(size, end + _CHUNK)
-                        part = dest[start:end]
-                        bufs = [part, extra] if end == size else [part]
-                        got += _preadv_at(fd, bufs, end - start, header.HEADER_SIZE + start)
-                        hasher.update(part)
-                    actual = hasher.intdigest()
-                if got < header.HEADER_SIZE:
-                    raise header.CorruptPage("short", f"file of {got} bytes holds no header")
-                digest = header.parse(head, namespace, key, size)
-                if got != expected:
-                    raise header.CorruptPage("length", f"file of {got} bytes, expected {expected}")
-                if actual != digest:
-                    raise header.CorruptPage("checksum", "payload checksum does not match the header")
-                if self._max_bytes:
-                    st = os.fstat(fd)
-                    if time.time() - st.st_mtime > _TOUCH_AFTER_S:
-                        with contextlib.suppress(OSError):  # marks it used for the janitor; best effort
-                            os.utime(fd)
-                return _HIT
-            except header.CorruptPage as e:
-                self._remove_if_same(path, os.fstat(fd))
-                return e
+                fd = os.open(key, _READ_FLAGS, dir_fd=directory)
+            except OSError as e:
+                if e.errno == errno.ELOOP:  # a symlink: not a page of ours
+                    return _NotPage()
+                raise
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return _NotPage()
+                return self._read_fd(fd, directory, namespace, key, dest, head, extra)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            os.close(directory)
 
-    def _remove_if_same(self, path: str, st: os.stat_result) -> None:
+    def _read_fd(
+        self,
+        fd: int,
+        directory: int,
+        namespace: str,
+        key: str,
+        dest: memoryview,
+        head: memoryview,
+        extra: memoryview,
+    ) -> Any:
+        size = dest.nbytes
+        expected = header.HEADER_SIZE + size
+        try:
+            # A short file shows in what preadv returns, a wrong length in the header, and a longer one in
+            # the byte past the payload that the same call reads. Every line here runs per page on threads
+            # that share the GIL: kept to few calls.
+            if size <= _CHUNK:
+                got = _preadv_at(fd, [head, dest, extra], expected, 0)
+                actual = xxhash.xxh3_64_intdigest(dest)
+            else:
+                part = dest[:_CHUNK]
+                got = _preadv_at(fd, [head, part], header.HEADER_SIZE + _CHUNK, 0)
+                hasher = xxhash.xxh3_64(part)
+                end = _CHUNK
+                while got == header.HEADER_SIZE + end and end < size:
+                    start, end = end, min(size, end + _CHUNK)
+                    part = dest[start:end]
+                    bufs = [part, extra] if end == size else [part]
+                    got += _preadv_at(fd, bufs, end - start, header.HEADER_SIZE + start)
+                    hasher.update(part)
+                actual = hasher.intdigest()
+            if got < header.HEADER_SIZE:
+                raise header.CorruptPage("short", f"file of {got} bytes holds no header")
+            digest = header.parse(head, namespace, key, size)
+            if got != expected:
+                raise header.CorruptPage("length", f"file of {got} bytes, expected {expected}")
+            if actual != digest:
+                raise header.CorruptPage("checksum", "payload checksum does not match the header")
+            if self._max_bytes:
+                st = os.fstat(fd)
+                if time.time() - st.st_mtime > _TOUCH_AFTER_S:
+                    with contextlib.suppress(OSError):  # marks it used for the janitor; best effort
+                        os.utime(fd)
+            return _HIT
+        except header.CorruptPage as e:
+            self._remove_if_same(directory, key, os.fstat(fd))
+            return e
+
+    def _remove_if_same(self, directory: int, key: str, st: os.stat_result) -> None:
         # A put may have renamed a good page over the corrupt one since we opened it: remove what we read.
         # An error means it is gone already, or not ours to remove: the next read decides again.
         with contextlib.suppress(OSError):
-            now = os.stat(path, follow_symlinks=False)
+            now = os.stat(key, dir_fd=directory, follow_symlinks=False)
             if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                os.unlink(path)
+                os.unlink(key, dir_fd=directory)
                 self._add_stored(-now.st_size)
 
-    @staticmethod
-    def _size_of(path: str) -> int:
-        try:
-            return os.stat(path, follow_symlinks=False).st_size
-        except (FileNotFoundError, NotADirectoryError):
-            return 0
-
     def _leading_present(self, namespace: str, keys: Sequence[str]) -> int:
-        for i, key in enumerate(keys):
-            try:
-                st = os.stat(self._path(namespace, key)) if valid_key(key) else None
-            except (FileNotFoundError, NotADirectoryError):
+        root = self._open_root()
+        try:
+            for i, key in enumerate(keys):
                 st = None
-            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < header.HEADER_SIZE:
-                if i == 0:
-                    self._check_root()
-                return i
-        return len(keys)
+                if valid_key(key):
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        directory = _open_dir(root, (namespace, *_shard(key)))
+                        try:
+                            st = os.stat(key, dir_fd=directory, follow_symlinks=False)
+                        finally:
+                            os.close(directory)
+                if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < header.HEADER_SIZE:
+                    if i == 0:
+                        self._check_root()
+                    return i
+            return len(keys)
+        finally:
+            os.close(root)
 
     def _remove_all(self, namespace: str, keys: Sequence[str]) -> int:
         removed = freed = 0
-        for key in keys:
-            if not valid_key(key):
-                continue
-            path = self._path(namespace, key)
-            size = self._size_of(path)
-            try:
-                os.unlink(path)
-                removed += 1
-                freed += size
-            except (FileNotFoundError, NotADirectoryError):
-                pass
+        root = self._open_root()
+        try:
+            for key in keys:
+                if not valid_key(key):
+                    continue
+                try:
+                    directory = _open_dir(root, (namespace, *_shard(key)))
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                try:
+                    size = _size_at(directory, key)
+                    os.unlink(key, dir_fd=directory)
+                    removed += 1
+                    freed += size
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+                finally:
+                    os.close(directory)
+        finally:
+            os.close(root)
         self._add_stored(-freed)
         if removed < len(keys):
             self._check_root()

@@ -11,6 +11,7 @@ import contextlib
 import os
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -25,7 +26,7 @@ from redis.backoff import AbstractBackoff
 from hicached.common.retry import Backoff
 
 from . import header
-from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, log, put_checksums
+from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, Hold, log, put_checksums
 
 T = TypeVar("T")
 
@@ -67,6 +68,16 @@ class _PagePacking:
                 buf += b"$%d\r\n%s\r\n" % (len(value), value)
         out.append(buf)
         return out
+
+    async def disconnect(self, nowait: bool = False, **kwargs: Any) -> None:
+        """redis-py disconnects with nowait after an error or a cancellation (a time-out) in the middle of
+        a command. A graceful close would still send what the transport holds: the rest of a page, read
+        from a pool slot that may hold another page by then. Aborting drops it: a SET given up on is
+        never completed."""
+        writer = getattr(self, "_writer", None)
+        if nowait and writer is not None:
+            writer.transport.abort()
+        await super().disconnect(nowait, **kwargs)  # type: ignore[misc]
 
 
 class _PageConnection(_PagePacking, Connection):
@@ -111,6 +122,8 @@ class RedisConnector(Connector):
         self._ttl_ms = int(self._rcfg.ttl * 1000)
         self._sem = asyncio.Semaphore(self._rcfg.max_connections)
         self._client: aioredis.Redis | RedisCluster | None = None
+        # Checks and copies of large GET batches into the pool's slots, off the event loop.
+        self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicached-redis-copy")
 
     def _key(self, namespace: str, key: str) -> str:
         return f"{self._rcfg.prefix}:{namespace}:{key}"
@@ -183,6 +196,7 @@ class RedisConnector(Connector):
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
+        self._copier.shutdown(wait=False)
 
     def _where(self) -> str:
         # The URL without its credentials, for messages and logs.
@@ -239,6 +253,7 @@ class RedisConnector(Connector):
         keys: Sequence[str],
         payloads: Sequence[memoryview],
         checksums: Sequence[int | None] | None = None,
+        hold: Hold | None = None,
     ) -> list[bool]:
         sums = put_checksums(keys, payloads, checksums) or [None] * len(keys)
         self.counters["puts"] += len(keys)
@@ -246,18 +261,40 @@ class RedisConnector(Connector):
             return []
         ttl = ("PX", self._ttl_ms) if self._ttl_ms > 0 else ()
         commands = []
-        for key, payload, digest in zip(keys, payloads, sums, strict=True):
-            view = _byte_view(payload)
+        views = [_byte_view(p) for p in payloads]
+        for key, view, digest in zip(keys, views, sums, strict=True):
             page = _Page(header.encode(namespace, key, view, digest), view)
             commands.append(("SET", self._key(namespace, key), page, *ttl))
-        results = await self._pipeline(commands)
-        self._count_refusals(results, "SET")
-        ok = [not isinstance(res, Exception) for res in results]
-        self.counters["bytes_written"] += sum(p.nbytes for p, done in zip(payloads, ok, strict=True) if done)
+
+        async def run(client: Any) -> list[bool]:
+            results = await _execute(client, commands)
+            self._count_refusals(results, "SET")
+            ok = [not isinstance(res, Exception) for res in results]
+            # The payloads went from the slots to the socket as they were while being sent: a page whose
+            # bytes no longer hash to its checksum may have gone out changed. Its header says the checksum
+            # it was acknowledged with, so no reader takes it; it is removed now, and not counted written.
+            check = [i for i, digest in enumerate(sums) if ok[i] and digest is not None]
+            if sum(views[i].nbytes for i in check) > _THREAD_BYTES:  # xxh3 drops the GIL: off the loop
+                hashes = await asyncio.get_running_loop().run_in_executor(
+                    self._copier, lambda: [header.checksum(views[i]) for i in check]
+                )
+            else:
+                hashes = [header.checksum(views[i]) for i in check]
+            changed = [i for i, h in zip(check, hashes, strict=True) if h != sums[i]]
+            if changed:
+                self.counters["errors.changed"] += len(changed)
+                log.warning("%s: %d pages changed while being sent; removed", self.name, len(changed))
+                await _execute(client, [("UNLINK", self._key(namespace, keys[i])) for i in changed])
+                for i in changed:
+                    ok[i] = False
+            return ok
+
+        ok = await self._call(run)
+        self.counters["bytes_written"] += sum(v.nbytes for v, done in zip(views, ok, strict=True) if done)
         return ok
 
     async def get_into(
-        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], hold: Hold | None = None
     ) -> list[bool]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -271,8 +308,18 @@ class RedisConnector(Connector):
             outcomes = _check_and_copy(namespace, keys, buffers, results)
             if isinstance(outcomes, _Deferred):
                 # Checksums and copies of a large batch run on a thread (both release the GIL), so
-                # the event loop goes on parsing replies meanwhile.
-                outcomes = await asyncio.get_running_loop().run_in_executor(None, outcomes.run)
+                # the event loop goes on parsing replies meanwhile. A call given up meanwhile leaves the
+                # buffers in `hold` until the copy ended: it cannot be stopped in the middle of a page.
+                loop = asyncio.get_running_loop()
+                job = self._copier.submit(outcomes.run)
+                try:
+                    outcomes = await asyncio.wrap_future(job, loop=loop)
+                finally:
+                    if not job.done():
+                        if hold is not None:
+                            hold.track_thread(job, loop)
+                        else:
+                            job.cancel()
             found = [
                 self._account(namespace, k, b, o) for k, b, o in zip(keys, buffers, outcomes, strict=True)
             ]

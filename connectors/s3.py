@@ -24,6 +24,8 @@ from .base import (
     BackendUnavailable,
     Capabilities,
     Connector,
+    Hold,
+    log,
     put_checksums,
 )
 
@@ -204,6 +206,7 @@ class S3Connector(Connector):
         keys: Sequence[str],
         payloads: Sequence[memoryview],
         checksums: Sequence[int | None] | None = None,
+        hold: Hold | None = None,
     ) -> list[bool]:
         async def put_one(key: str, item: tuple[memoryview, int | None]) -> bool:
             payload, digest = item
@@ -213,17 +216,25 @@ class S3Connector(Connector):
             # 2 MiB PUT against moto: not worth holding max_connections x page size of memory.
             view = _byte_view(payload)
             body = b"".join((header.encode(namespace, key, view, digest), view))
+            # The copy is what goes out: it is published only if it hashes to the checksum the page was
+            # acknowledged with (a slot changed since is never stored under the key).
+            if digest is not None and header.checksum(memoryview(body)[header.HEADER_SIZE :]) != digest:
+                self.counters["errors.changed"] += 1
+                log.warning(
+                    "%s: page %s/%s changed since it was stored; not written", self.name, namespace, key
+                )
+                return False
             await self._client.put_object(Bucket=self._bucket, Key=self._object(namespace, key), Body=body)
             return True
 
         sums = put_checksums(keys, payloads, checksums) or [None] * len(keys)
         self.counters["puts"] += len(keys)
         done = await self._each(put_one, keys, list(zip(payloads, sums, strict=True)))
-        self.counters["bytes_written"] += sum(p.nbytes for p in payloads)
+        self.counters["bytes_written"] += sum(p.nbytes for p, ok in zip(payloads, done, strict=True) if ok)
         return done
 
     async def get_into(
-        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[str], buffers: Sequence[memoryview], hold: Hold | None = None
     ) -> list[bool]:
         async def get_one(key: str, buf: memoryview) -> bool | header.CorruptPage:
             dest = _byte_view(buf)

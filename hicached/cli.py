@@ -56,10 +56,16 @@ def _socket_path(args: argparse.Namespace) -> str:
     if args.socket:
         return args.socket
     cfg_path = args.config or DEFAULT_CONFIG
-    if os.path.exists(cfg_path):
-        cfg = _load(cfg_path)
-        return config.resolve_path(cfg, cfg.server.socket)
-    return config.resolve_path(config.Config(), config.Config().server.socket)
+    if not os.path.exists(cfg_path):
+        return config.resolve_path(config.Config(), config.Config().server.socket)
+    try:
+        # Only server.socket is read: a file the daemon would refuse still says where it listens, so that
+        # `ctl reload` reaches the daemon and prints its reason for refusing the file.
+        return config.socket_path(cfg_path)
+    except config.ConfigError as e:
+        print(f"hicached ctl: cannot read the daemon's socket from {cfg_path}: {e}", file=sys.stderr)
+        print("hicached ctl: name it with --socket", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 _CTL_WAIT_S = 60.0
@@ -101,6 +107,9 @@ def cmd_ctl(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `hicached ctl stats | head`: the reader went away, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if args.cmd == "reload" and answer.get("ok") is False:
+        reason = answer.get("reason")
+        print(f"hicached ctl: reload rejected, the daemon keeps its configuration: {reason}", file=sys.stderr)
     # A reload rejected, or a flush or drain that did not write every page to L3 in time: scripts see it.
     return 1 if answer.get("ok") is False or answer.get("flushed") is False else 0
 
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="TOML configuration (default: ./hicached.toml)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("check-config", help="validate a configuration file")
-    p.add_argument("path")
+    p.add_argument("path", nargs="?", default=DEFAULT_CONFIG, help="default: ./hicached.toml, as serve reads")
     p.set_defaults(fn=cmd_check_config)
     p = sub.add_parser("ctl", help="ask a running daemon")
     p.add_argument("--socket", help="the daemon's socket (default: from --config or ./hicached.toml)")

@@ -14,6 +14,11 @@
 
    The page files' names are made here too, as FileConnector._path and _tmp_path make them.
 
+   Page files are opened beneath the root: no symlink is followed on the way from the root to a page (a
+   namespace or shard directory that is a symlink fails with ELOOP or ENOTDIR, as a page file that is one
+   does), and a read never blocks in open() (O_NONBLOCK: a FIFO at a page's path is a miss at once, as is
+   anything else that is not a regular file).
+
    Result codes, one per page: 0 done, > 0 an errno, < 0 one of the RESULT_* values below. */
 
 #define PY_SSIZE_T_CLEAN
@@ -62,13 +67,15 @@ enum {
     RESULT_LENGTH = -5,
     RESULT_KEY = -6,
     RESULT_CHECKSUM = -7,
-    RESULT_BAD_KEY = -8, /* not a valid key (hicached/keys.py): no file is touched */
+    RESULT_BAD_KEY = -8, /* not a valid key (hicached/common/keys.py): no file is touched */
+    RESULT_CHANGED = -9, /* writes: the payload did not hash to its checksum as written: not published */
+    RESULT_NOT_PAGE = -10, /* reads: the page's path holds no regular file (a FIFO, a directory, a device) */
 };
 
 /* Bumped when a function's arguments change: file.py uses only a build of the sources it was written for. */
-#define API_VERSION 4
+#define API_VERSION 5
 
-#define KEY_MAX_LEN 128 /* hicached/keys.py */
+#define KEY_MAX_LEN 128 /* hicached/common/keys.py */
 #define NAMESPACE_MAX_LEN 128
 
 typedef struct {
@@ -79,8 +86,8 @@ typedef struct {
     Py_buffer buf;
     int result;
     int64_t replaced; /* writes: bytes of the page file the rename replaced */
-    uint64_t sum;     /* writes with has_sum: the payload's xxh3-64, given by the caller (taken as the engine
-                         copied the page into L2): the payload is written without being read again */
+    uint64_t sum;     /* writes with has_sum: the payload's xxh3-64, given by the caller (taken as the page
+                         entered L2): the file is published only if what was written hashes to it */
     int has_sum;
 } Job;
 
@@ -150,14 +157,101 @@ static int64_t remove_if_same(int fd, const char *path) {
     return unlink(path) == 0 ? (int64_t)b.st_size : 0;
 }
 
-static int read_one(Job *j, const char *ns, size_t ns_len, size_t chunk, double touch_after, int64_t *removed) {
+static int stopped(const Py_buffer *stop) { return stop->len > 0 && ((volatile const char *)stop->buf)[0] != 0; }
+
+/* openat2(2)'s resolve flags (linux/openat2.h): no symlink anywhere on the way, nothing above `dirfd`. */
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+struct beneath_how {
+    uint64_t flags, mode, resolve;
+};
+#define BENEATH_RESOLVE (0x08 /* RESOLVE_BENEATH */ | 0x04 /* RESOLVE_NO_SYMLINKS */ | 0x02 /* NO_MAGICLINKS */)
+static int openat2_missing; /* set once the kernel answered ENOSYS: kernels before 5.6 */
+
+/* openat(dirfd, rel, flags) where no component of `rel` may be a symlink (ELOOP or ENOTDIR where one is)
+   and none may lead out of `dirfd`: openat2 with RESOLVE_NO_SYMLINKS, or, on kernels without it (or where
+   a seccomp filter refuses it), one component at a time with O_NOFOLLOW. The fd, or -1 with errno set. */
+static int open_beneath(int dirfd, const char *rel, int flags, mode_t mode) {
+    flags |= O_CLOEXEC;
+    if (!__atomic_load_n(&openat2_missing, __ATOMIC_RELAXED)) {
+        struct beneath_how how = {(uint64_t)flags, (flags & O_CREAT) ? (uint64_t)mode : 0, BENEATH_RESOLVE};
+        long fd = syscall(SYS_openat2, dirfd, rel, &how, sizeof how);
+        if (fd >= 0) return (int)fd;
+        if (errno == ENOSYS) __atomic_store_n(&openat2_missing, 1, __ATOMIC_RELAXED);
+        if (errno != ENOSYS && errno != EPERM) return -1;
+    }
+    char buf[4096];
+    size_t n = strlen(rel);
+    if (n >= sizeof buf) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(buf, rel, n + 1);
+    int fd = dirfd;
+    for (char *part = buf;;) {
+        char *slash = strchr(part, '/');
+        int next, err;
+        if (slash == NULL) {
+            next = openat(fd, part, flags | O_NOFOLLOW, mode);
+        } else {
+            *slash = '\0';
+            next = openat(fd, part, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        }
+        err = errno;
+        if (fd != dirfd) close(fd);
+        if (next < 0 || slash == NULL) {
+            errno = err;
+            return next;
+        }
+        fd = next;
+        part = slash + 1;
+    }
+}
+
+/* The directory of a page file (namespace/k0k1/k2k3 under the root) opened beneath the root (O_PATH): with
+   `create`, the missing ones are made first, as FileConnector._make_shard makes them (never the root: it is
+   `rootfd` already). The fd, or -errno. */
+static int open_shard(int rootfd, const char *rel_dir, int create) {
+    int fd = open_beneath(rootfd, rel_dir, O_PATH | O_DIRECTORY, 0);
+    if (fd >= 0) return fd;
+    if (errno != ENOENT || !create) return -errno;
+    char buf[4096];
+    size_t n = strlen(rel_dir);
+    if (n >= sizeof buf) return -ENAMETOOLONG;
+    memcpy(buf, rel_dir, n + 1);
+    /* Down from the root, a directory at a time: made where missing (another thread may make it at the same
+       time), then opened beneath the one above it; one that is a symlink fails there. */
+    int parent = rootfd;
+    for (char *part = buf;;) {
+        char *slash = strchr(part, '/');
+        if (slash != NULL) *slash = '\0';
+        int next = mkdirat(parent, part, 0700) == 0 || errno == EEXIST ? open_beneath(parent, part, O_PATH | O_DIRECTORY, 0)
+                                                                       : -1;
+        int err = errno;
+        if (parent != rootfd) close(parent);
+        if (next < 0) return -err;
+        if (slash == NULL) return next;
+        parent = next;
+        part = slash + 1;
+    }
+}
+
+static int read_one(Job *j, int rootfd, size_t root_len, const char *ns, size_t ns_len, size_t chunk,
+                    double touch_after, int64_t *removed) {
     if (j->path == NULL) return RESULT_BAD_KEY;
     const char *path = j->path;
     uint64_t tag;
     int err = key_tag(ns, ns_len, j->key, (size_t)j->key_len, &tag);
     if (err) return err;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) return errno;
+    /* O_NONBLOCK: an open of a FIFO (or a device) would wait for a peer; a regular file reads the same. */
+    int fd = open_beneath(rootfd, path + root_len + 1, O_RDONLY | O_NONBLOCK, 0);
+    if (fd < 0) return errno == ELOOP ? RESULT_NOT_PAGE : errno; /* a symlink on the way: not a page of ours */
+    struct stat st0;
+    if (fstat(fd, &st0) != 0 || !S_ISREG(st0.st_mode)) {
+        close(fd);
+        return RESULT_NOT_PAGE;
+    }
     uint8_t head[HEADER_SIZE], extra; /* extra: a byte past the payload, read only by the same calls */
     uint8_t *dest = j->buf.buf;
     size_t size = (size_t)j->buf.len, first = size < chunk ? size : chunk;
@@ -214,42 +308,31 @@ fail:
     return (int)-got;
 }
 
-/* The shard directories of a page file (root/namespace/k0k1/k2k3/key) that are missing, as
-   FileConnector._make_shard makes them: up to the namespace's directory, never the root (a missing root
-   stays ENOENT, and fails the call in Python). Made here, one job's new shards cost a few system calls
-   each instead of a return to Python and a second call: with 65536 shards, most pages of a fresh tree
-   open one. 0 or an errno. */
-static int make_shard(const char *path, size_t root_len, size_t ns_len) {
-    /* Where each directory's name ends: the namespace's, k0k1's and k2k3's. */
-    const size_t ends[3] = {root_len + 1 + ns_len, root_len + 1 + ns_len + 3, root_len + 1 + ns_len + 6};
-    char buf[4096];
-    if (ends[2] >= sizeof buf) return ENAMETOOLONG;
-    memcpy(buf, path, ends[2]);
-    buf[ends[2]] = '\0';
-    int level = 2;
-    for (;; level--) { /* up, until a directory is made or found */
-        buf[ends[level]] = '\0';
-        if (mkdir(buf, 0700) == 0 || errno == EEXIST) break;
-        if (errno != ENOENT || level == 0) return errno;
-    }
-    for (level++; level <= 2; level++) { /* then down again */
-        buf[ends[level - 1]] = '/';
-        if (mkdir(buf, 0700) != 0 && errno != EEXIST) return errno;
-    }
-    return 0;
-}
-
-static int write_one(Job *j, const char *ns, size_t ns_len, size_t root_len, size_t chunk, int do_fsync,
-                     int measure) {
+/* A write: the payload under a temporary name in its shard directory (made where missing: one job's new
+   shards cost a few system calls each here instead of a return to Python; with 65536 shards most pages of
+   a fresh tree open one), then renamed to the page's name. Published only when, as written, the payload
+   hashes to the checksum it came with (a slot reused or changed since is never stored under the key), and
+   only while the call still wants it (`stop` not set: a write its caller gave up on is not renamed). */
+static int write_one(Job *j, int rootfd, const char *ns, size_t ns_len, size_t root_len, size_t chunk,
+                     int do_fsync, int measure, const Py_buffer *stop) {
     if (j->path == NULL) return RESULT_BAD_KEY;
-    const char *tmp = j->tmp, *final = j->path;
     uint64_t tag;
     int err = key_tag(ns, ns_len, j->key, (size_t)j->key_len, &tag);
     if (err) return err;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0 && errno == ENOENT && (err = make_shard(j->path, root_len, ns_len)) == 0)
-        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0) return err ? err : errno;
+    /* root/ns/k0k1/k2k3/key: the directory's name beneath the root, and the leaf names in it. */
+    size_t dir_len = ns_len + 6;
+    char rel_dir[NAMESPACE_MAX_LEN + 8];
+    memcpy(rel_dir, j->path + root_len + 1, dir_len);
+    rel_dir[dir_len] = '\0';
+    const char *leaf = j->path + root_len + 1 + dir_len + 1, *tmp = j->tmp + root_len + 1 + dir_len + 1;
+    int dirfd = open_shard(rootfd, rel_dir, 1);
+    if (dirfd < 0) return -dirfd;
+    int fd = openat(dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) {
+        err = errno;
+        close(dirfd);
+        return err;
+    }
     const uint8_t *payload = j->buf.buf;
     size_t size = (size_t)j->buf.len;
     uint8_t head[HEADER_SIZE];
@@ -261,8 +344,7 @@ static int write_one(Job *j, const char *ns, size_t ns_len, size_t root_len, siz
     /* Each chunk is written, then hashed: the kernel's copy has just brought it into the CPU cache, where
        xxh3 runs at ~30 GB/s against ~9 GB/s from memory (a page backed up was stored long before). Hashing
        first and writing from the cache measured 2-12 % slower (median ~4.5 %; pages of 256 KiB and 2 MiB
-       on tmpfs). The header, which needs the checksum, goes last. A checksum given with the page (has_sum)
-       is written as it is: a wrong one makes the page a miss when it is read, never wrong bytes. */
+       on tmpfs). The header, which needs the checksum, goes last. */
     XXH3_state_t state;
     XXH3_INITSTATE(&state);
     XXH3_64bits_reset(&state);
@@ -272,24 +354,32 @@ static int write_one(Job *j, const char *ns, size_t ns_len, size_t root_len, siz
         struct iovec part = {(void *)(payload + start), n};
         r = xfer(fd, &part, 1, (off_t)(HEADER_SIZE + start), 1, n);
         if (r >= 0 && (size_t)r != n) r = -EIO;
-        if (r >= 0 && !j->has_sum) XXH3_64bits_update(&state, payload + start, n);
+        if (r >= 0) XXH3_64bits_update(&state, payload + start, n);
     }
+    int result = 0;
     if (r >= 0) {
-        put_u64(head + 16, j->has_sum ? j->sum : XXH3_64bits_digest(&state));
+        uint64_t digest = XXH3_64bits_digest(&state);
+        if (j->has_sum && digest != j->sum) result = RESULT_CHANGED;
+        put_u64(head + 16, j->has_sum ? j->sum : digest);
         struct iovec iov = {head, HEADER_SIZE};
-        r = xfer(fd, &iov, 1, 0, 1, HEADER_SIZE);
-        if (r >= 0 && r != HEADER_SIZE) r = -EIO;
+        if (result == 0) r = xfer(fd, &iov, 1, 0, 1, HEADER_SIZE);
+        if (r >= 0 && result == 0 && r != HEADER_SIZE) r = -EIO;
     }
-    if (r >= 0 && do_fsync && fsync(fd) != 0) r = -errno;
+    if (r >= 0 && result == 0 && do_fsync && fsync(fd) != 0) r = -errno;
     if (close(fd) != 0 && r >= 0) r = -errno;
-    if (r >= 0) {
+    if (r >= 0 && result == 0 && stopped(stop)) result = RESULT_CANCELLED;
+    if (r >= 0 && result == 0) {
         struct stat st;
-        j->replaced = measure && lstat(final, &st) == 0 ? (int64_t)st.st_size : 0;
-        if (rename(tmp, final) == 0) return 0;
+        j->replaced = measure && fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0 ? (int64_t)st.st_size : 0;
+        if (renameat(dirfd, tmp, dirfd, leaf) == 0) {
+            close(dirfd);
+            return 0;
+        }
         r = -errno;
     }
-    unlink(tmp);
-    return (int)-r;
+    unlinkat(dirfd, tmp, 0);
+    close(dirfd);
+    return result ? result : (int)-r;
 }
 
 /* One job: its pages, checked and turned into Jobs with the GIL held, and the arguments of the call. The
@@ -460,7 +550,6 @@ fail:
     return NULL;
 }
 
-static int stopped(const Py_buffer *stop) { return stop->len > 0 && ((volatile const char *)stop->buf)[0] != 0; }
 
 /* FileConnector._check_root: 0 when the root is a directory, else why not. */
 static int root_error(const char *root) {
@@ -470,50 +559,74 @@ static int root_error(const char *root) {
 }
 
 /* FileConnector._leading_present, a page at a time: 0 when the page file is there (a regular file that
-   holds at least a header), else ENOENT or why not. */
-static int exists_one(Job *j) {
+   holds at least a header, reached with no symlink on the way), else ENOENT or why not. */
+static int exists_one(Job *j, int rootfd, size_t root_len) {
     if (j->path == NULL) return RESULT_BAD_KEY;
+    int fd = open_beneath(rootfd, j->path + root_len + 1, O_PATH, 0);
+    if (fd < 0) return errno == ELOOP ? ENOENT : errno;
     struct stat st;
-    if (stat(j->path, &st) != 0) return errno;
+    int err = fstat(fd, &st) != 0 ? errno : 0;
+    close(fd);
+    if (err) return err;
     return S_ISREG(st.st_mode) && st.st_size >= HEADER_SIZE ? 0 : ENOENT;
 }
 
 /* FileConnector._remove_all, a page at a time: 0 when removed (its bytes taken off *total), else an errno. */
-static int delete_one(Job *j, int64_t *total) {
+static int delete_one(Job *j, int rootfd, size_t root_len, size_t ns_len) {
     if (j->path == NULL) return RESULT_BAD_KEY;
+    char rel_dir[NAMESPACE_MAX_LEN + 8];
+    size_t dir_len = ns_len + 6;
+    memcpy(rel_dir, j->path + root_len + 1, dir_len);
+    rel_dir[dir_len] = '\0';
+    int dirfd = open_shard(rootfd, rel_dir, 0);
+    if (dirfd < 0) return dirfd == -ELOOP ? ENOENT : -dirfd; /* a symlink on the way: no page of ours */
+    const char *leaf = j->path + root_len + 1 + dir_len + 1;
     struct stat st;
-    int64_t size = lstat(j->path, &st) == 0 ? (int64_t)st.st_size : 0;
-    if (unlink(j->path) != 0) return errno;
-    *total -= size;
+    int64_t size = fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0 ? (int64_t)st.st_size : 0;
+    int err = unlinkat(dirfd, leaf, 0) != 0 ? errno : 0;
+    close(dirfd);
+    if (err) return err;
+    j->replaced = size;
     return 0;
 }
 
 /* The pages of a task, one after the other; needs no GIL (and is run without it). */
 static void task_run(Task *t) {
     int absent = 0, hole = 0;
+    /* The root as it is now (a symlink in its own path is the operator's choice, and followed); every page
+       is opened beneath it. A root that is gone fails every page, and the call (root_err below). */
+    int rootfd = open(t->root, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    int root_open_err = rootfd < 0 ? errno : 0;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         Job *j = &t->jobs[i];
         if (hole || stopped(&t->stop)) {
             j->result = RESULT_CANCELLED;
             continue;
         }
+        if (rootfd < 0) {
+            j->result = j->path == NULL ? RESULT_BAD_KEY : root_open_err;
+            absent = 1;
+            continue;
+        }
         switch (t->kind) {
         case TASK_WRITE:
-            j->result = write_one(j, t->ns, t->ns_len, t->root_len, t->chunk, t->do_fsync, t->measure);
+            j->result =
+                write_one(j, rootfd, t->ns, t->ns_len, t->root_len, t->chunk, t->do_fsync, t->measure, &t->stop);
             if (j->result == 0) t->total += HEADER_SIZE + (int64_t)j->buf.len - j->replaced;
             break;
         case TASK_READ: {
             int64_t removed = 0;
-            j->result = read_one(j, t->ns, t->ns_len, t->chunk, t->touch_after, &removed);
+            j->result = read_one(j, rootfd, t->root_len, t->ns, t->ns_len, t->chunk, t->touch_after, &removed);
             t->total -= removed;
             break;
         }
         case TASK_EXISTS:
-            j->result = exists_one(j);
+            j->result = exists_one(j, rootfd, t->root_len);
             hole = j->result != 0; /* the leading pages only: those after a hole are not looked at */
             break;
         default:
-            j->result = delete_one(j, &t->total);
+            j->result = delete_one(j, rootfd, t->root_len, t->ns_len);
+            if (j->result == 0) t->total -= j->replaced;
         }
         /* exists: a leading prefix ends at its first missing page as a rule; only a first page missing
            can mean a missing root (as FileConnector._leading_present checks it), so only it costs a stat. */
@@ -521,6 +634,7 @@ static void task_run(Task *t) {
     }
     /* Once a task: a missing page is a miss, a missing root fails the call (write_one makes missing shards,
        so there ENOENT means the root is gone, or the janitor removed a shard in between). */
+    if (rootfd >= 0) close(rootfd);
     if (absent) t->root_err = root_error(t->root);
 }
 
@@ -558,8 +672,8 @@ static PyObject *run_here(Task *t) {
     "buffer and verifies its header and checksum. A page that does not verify is removed if the file\n"          \
     "is still the one read. stop: a buffer whose first byte, once non-zero, cancels the pages not yet\n"          \
     "begun. touch_after < 0: never mark pages used. results: a code a page (0 read, > 0 an errno, < 0 the\n"    \
-    "module's CANCELLED, BAD_KEY or a reason the page is corrupt); total: minus the bytes of corrupt\n"     \
-    "pages removed; root_errno: once a page was not found, 0 if the root is still a directory, else why not."
+    "module's CANCELLED, BAD_KEY, NOT_PAGE (no regular file there) or a reason the page is corrupt);\n"     \
+    "total: minus the bytes of corrupt pages removed; root_errno: once a page was not found, 0 if the root is still a directory, else why not."
 
 #define WRITE_ARGS "s#OOOOny*pp|O"
 #define WRITE_DOC                                                                                                 \
@@ -567,7 +681,8 @@ static PyObject *run_here(Task *t) {
     "FileConnector._tmp_path makes it) and renames it to its page file under root, making missing shard\n"       \
     "directories (never the root). total: by how much the written pages grew the tree (with measure, the\n"      \
     "sizes of files replaced are subtracted). A temporary file is removed when its page fails. sums: None,\n"    \
-    "or a list with each payload's xxh3-64 (an int) or None: a page with one is written without being hashed."
+    "or a list with each payload's xxh3-64 (an int) or None: a page with one is published only if what was\n"  \
+    "written hashes to it (else CHANGED). A page finished after `stop` was set is not published (CANCELLED)."
 
 PyDoc_STRVAR(read_pages_doc, "read_pages(namespace, keys, root, buffers, chunk, stop, touch_after)\n"
                              "-> (results, total, root_errno)\n\n" READ_DOC);
@@ -923,6 +1038,42 @@ static PyObject *Engine_reap(Engine *self, PyObject *unused) {
     return out;
 }
 
+PyDoc_STRVAR(Engine_cancel_doc, "cancel(token) -> bool\n\n"
+                               "Takes the task queued with `token` off the queue if no thread has begun it: it is then\n"
+                               "answered (by reap) with every page CANCELLED, and never touches its buffers. False if a\n"
+                               "thread runs it or it is done: its answer comes as usual.");
+
+static PyObject *Engine_cancel(Engine *self, PyObject *token) {
+    EngineState *s = self->s;
+    if (s == NULL) Py_RETURN_FALSE;
+    Task *found = NULL;
+    pthread_mutex_lock(&s->mu);
+    for (Task **at = &s->queue, *prev = NULL; *at != NULL; prev = *at, at = &(*at)->next) {
+        if ((*at)->token != token) continue;
+        found = *at;
+        *at = found->next;
+        if (s->queue_tail == found) s->queue_tail = prev;
+        s->queued--;
+        found->next = NULL;
+        for (Py_ssize_t i = 0; i < found->n; i++) found->jobs[i].result = RESULT_CANCELLED;
+        int first = s->done == NULL;
+        if (first)
+            s->done = found;
+        else
+            s->done_tail->next = found;
+        s->done_tail = found;
+        if (first) {
+            uint64_t one = 1;
+            ssize_t w;
+            do w = write(s->efd, &one, sizeof one);
+            while (w < 0 && errno == EINTR);
+        }
+        break;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return PyBool_FromLong(found != NULL);
+}
+
 static PyObject *Engine_fileno(Engine *self, PyObject *unused) {
     if (self->s == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the engine is not started");
@@ -960,6 +1111,7 @@ static PyMethodDef Engine_methods[] = {
     {"exists", (PyCFunction)Engine_exists, METH_VARARGS, Engine_exists_doc},
     {"delete", (PyCFunction)Engine_delete, METH_VARARGS, Engine_delete_doc},
     {"reap", (PyCFunction)Engine_reap, METH_NOARGS, Engine_reap_doc},
+    {"cancel", (PyCFunction)Engine_cancel, METH_O, Engine_cancel_doc},
     {"fileno", (PyCFunction)Engine_fileno, METH_NOARGS, "The eventfd that is readable once a task finished."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, Engine_close_doc},
     {NULL, NULL, 0, NULL},
@@ -1268,6 +1420,8 @@ PyMODINIT_FUNC PyInit__pageio(void) {
         PyModule_AddIntConstant(m, "LENGTH_BAD", RESULT_LENGTH) < 0 || PyModule_AddIntConstant(m, "KEY_BAD", RESULT_KEY) < 0 ||
         PyModule_AddIntConstant(m, "CHECKSUM_BAD", RESULT_CHECKSUM) < 0 ||
         PyModule_AddIntConstant(m, "BAD_KEY", RESULT_BAD_KEY) < 0 || PyModule_AddIntConstant(m, "API", API_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "CHANGED", RESULT_CHANGED) < 0 ||
+        PyModule_AddIntConstant(m, "NOT_PAGE", RESULT_NOT_PAGE) < 0 ||
         PyModule_AddIntConstant(m, "KEY_MAX_LEN", KEY_MAX_LEN) < 0 ||
         PyModule_AddIntConstant(m, "NAMESPACE_MAX_LEN", NAMESPACE_MAX_LEN) < 0) {
         Py_DECREF(m);

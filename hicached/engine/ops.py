@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from hicached.common import protocol
 from hicached.common.errors import BAD_REQUEST, CONNECTION, HicachedError
@@ -165,22 +166,24 @@ class _Ops(RegionOps):
     def _copy(self, offsets: list[int], pages: list[Any], into_pool: bool) -> list[int] | None:
         """Copies each page into (or out of) the pool's slot at its offset: in one C call with the GIL
         released where hicached.common._pageio is built (~0.3 us a page, against ~2.4 us for a numpy view and
-        copyto), else page by page with numpy. Into the pool with the C module, returns each page's
-        checksum (xxh3-64, as the page header keeps it), taken in the same pass: the daemon's backup then
-        writes it as it is instead of reading the page again to hash it. None otherwise."""
+        copyto), else page by page with numpy. Into the pool, returns each page's checksum (xxh3-64, as the
+        page header keeps it), taken in the same pass with the C module: what the page's bytes must hash to
+        from now on (the daemon publishes a page in L3 only if they do). None for copies out of it."""
         if self._mm is None:
             raise HicachedError(CONNECTION, "the client is closed")
         if _copy_pages is not None:
             sums = np.empty(len(offsets), dtype=np.uint64) if into_pool else None
             _copy_pages(self._mm, offsets, self.page_bytes, pages, into_pool, sums)
             return None if sums is None else sums.tolist()
+        sums = [] if into_pool else None
         for off, page in zip(offsets, pages, strict=True):
             src = np.frombuffer(page, dtype=np.uint8) if type(page) is bytes else page
             if into_pool:
                 np.copyto(self._slot(off), src)
+                sums.append(xxhash.xxh3_64_intdigest(src))  # of the source, still in the CPU cache
             else:
                 np.copyto(page, self._slot(off))
-        return None
+        return sums
 
     def op_hello(self) -> Op:
         return (yield {"op": "hello", "namespace": self.namespace, "page_bytes": self.page_bytes})

@@ -270,9 +270,13 @@ def test_literal_error_lists_the_choices() -> None:
     assert "'nfs'" in e.message
 
 
+# What names the store of each network backend, which the file must set for it to be used.
+NAMED = {"redis": {"redis": {"url": "redis://10.0.0.5:6379/0"}}, "s3": {"s3": {"bucket": "b"}}}
+
+
 @pytest.mark.parametrize("choice", ["none", "file", "redis", "s3"])
 def test_every_backend_choice_is_accepted(choice: str) -> None:
-    assert from_dict({"storage": {"backend": choice}}).storage.backend == choice
+    assert from_dict({"storage": {"backend": choice, **NAMED.get(choice, {})}}).storage.backend == choice
 
 
 @pytest.mark.parametrize(
@@ -450,7 +454,7 @@ def test_load_relative_file_path_gives_absolute_base_dir(tmp_path: Path, monkeyp
 
 
 def test_load_accepts_pathlike(tmp_path: Path) -> None:
-    cfg = load(_write(tmp_path, ""))
+    cfg = load(_write(tmp_path, "[pool]\n"))
     assert cfg.base_dir == str(tmp_path)
 
 
@@ -585,8 +589,8 @@ def test_reload_plan_applies_live_keys_and_rebuilds_the_backend_when_its_options
 ) -> None:
     from hicached.config.diff import plan
 
-    old = from_dict({"storage": {"backend": backend}})
-    merged: dict = {"storage": {"backend": backend}}
+    old = from_dict({"storage": {"backend": backend, **NAMED.get(backend, {})}})
+    merged: dict = {"storage": {"backend": backend, **NAMED.get(backend, {})}}
     for section, values in change.items():
         merged.setdefault(section, {}).update(values)
     p = plan(old, from_dict(merged))

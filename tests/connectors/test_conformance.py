@@ -57,21 +57,24 @@ async def test_stored_object_is_header_and_payload(backend) -> None:
     header.verify(stored[: header.HEADER_SIZE], NS, key(1), stored[header.HEADER_SIZE :])
 
 
-async def test_checksums_given_with_pages_go_into_their_headers(backend) -> None:
-    """The backup hands over checksums the engine's client took: each goes into its header as it is (a
-    wrong one reads back as a counted miss, never wrong bytes); None is computed by the connector."""
+async def test_a_page_is_published_only_if_its_bytes_hash_to_its_checksum(backend) -> None:
+    """The backup hands over each page's checksum as the page entered L2: it goes into the header, and a
+    page whose bytes, as written, do not hash to it is not stored under its key (False, counted), so that
+    L3 never holds under a key bytes other than those acknowledged; None is computed by the connector."""
     size = 256 * KiB
     keys, pages = [key(i) for i in range(3)], [page(i, size) for i in range(3)]
     sums = [header.checksum(pages[0]), header.checksum(pages[1]) ^ 1, None]
     async with backend.connector() as conn:
-        assert await conn.put(NS, keys, pages, sums) == [True] * 3
-        for k, want in zip(keys, [sums[0], sums[1], header.checksum(pages[2])], strict=True):
+        assert await conn.put(NS, keys, pages, sums) == [True, False, True]
+        assert conn.counters["errors.changed"] == 1
+        assert await asyncio.to_thread(backend.raw, NS, keys[1]) is None
+        for k, want in zip([keys[0], keys[2]], [sums[0], header.checksum(pages[2])], strict=True):
             stored = await asyncio.to_thread(backend.raw, NS, k)
             assert header.parse(stored[: header.HEADER_SIZE], NS, k, size) == want
         bufs = buffers(3, size)
         assert await conn.get_into(NS, keys, bufs) == [True, False, True]
         assert bufs[0] == pages[0] and bufs[2] == pages[2]
-        assert conn.counters["corrupt.checksum"] == 1
+        assert not conn.counters["corrupt.checksum"]
 
 
 async def test_exists_counts_the_leading_prefix(backend) -> None:

@@ -14,8 +14,10 @@ import threading
 import time
 
 import pytest
+import stall
 from hicached.connectors import BackendUnavailable, build, file_janitor, header
 from hicached.connectors import file as file_module
+from hicached.connectors.base import Hold
 from hicached.connectors.file import FileConnector
 
 from hicached import config
@@ -90,21 +92,24 @@ def no_temp_files(conn: FileConnector) -> bool:
 
 
 @pytest.mark.parametrize("size", [4 * KiB, 8 * MiB])
-async def test_put_writes_the_checksums_it_is_given_as_they_are(tmp_path, size: int) -> None:
-    """A checksum given with a page (taken by the engine's client) goes into its header unchecked: the
-    right one reads back, a wrong one makes the page a counted miss, never wrong bytes; None is hashed."""
+async def test_put_publishes_a_page_only_if_it_hashes_to_its_checksum(tmp_path, size: int) -> None:
+    """A checksum given with a page (taken as it entered L2) goes into its header, and the file is renamed
+    into place only if the payload, as written, hashes to it: a page whose bytes are not those it was
+    acknowledged with is never stored under its key (False, counted, no file, no temporary left); None is
+    hashed here."""
     async with started(tmp_path) as conn:
         keys = [key(i) for i in range(3)]
         pages = [page(i, size) for i in range(3)]
         sums = [header.checksum(pages[0]), header.checksum(pages[1]) ^ 1, None]
-        assert await conn.put(NS, keys, pages, sums) == [True] * 3
-        for k, want in zip(keys, [sums[0], sums[1], header.checksum(pages[2])], strict=True):
+        assert await conn.put(NS, keys, pages, sums) == [True, False, True]
+        assert conn.counters["errors.changed"] == 1
+        assert not exists(path_of(conn, keys[1])) and no_temp_files(conn)
+        for k, want in zip([keys[0], keys[2]], [sums[0], header.checksum(pages[2])], strict=True):
             with open(path_of(conn, k), "rb") as f:
                 assert header.parse(f.read(header.HEADER_SIZE), NS, k, size) == want
         bufs = [memoryview(bytearray(size)) for _ in keys]
         assert await conn.get_into(NS, keys, bufs) == [True, False, True]
         assert bufs[0] == pages[0] and bufs[2] == pages[2]
-        assert conn.counters["corrupt.checksum"] == 1 and not exists(path_of(conn, keys[1]))
         with pytest.raises(ValueError, match="checksums"):
             await conn.put(NS, keys, pages, sums[:2])
 
@@ -508,7 +513,7 @@ async def test_new_shards_are_made_within_the_job(tmp_path, monkeypatch, page_io
     async with started(tmp_path) as conn:
         made = []
         real = conn._make_shard
-        monkeypatch.setattr(conn, "_make_shard", lambda d: made.append(d) or real(d))
+        monkeypatch.setattr(conn, "_make_shard", lambda *a: made.append(a) or real(*a))
         keys = [f"{i:02x}{i:02x}" + "0" * 60 for i in range(16)]  # sixteen shards, none there yet
         assert await conn.put(NS, keys, [page(i, 4 * KiB) for i in range(16)]) == [True] * 16
         assert (made == []) is (page_io == "native")
@@ -568,29 +573,116 @@ async def test_vanished_root_fails_the_whole_call(tmp_path) -> None:
         assert not exists(conn.root)  # a put must not quietly re-create it
 
 
+@stall.needs_stall
 async def test_timeout_raises_backend_unavailable(tmp_path) -> None:
     async with started(tmp_path, io_threads=1, operation_timeout="50ms") as conn:
-        # A read that hangs: a FIFO in place of the page file, whose open waits for a writer. An exists
-        # queued behind it on the one read thread times out as well.
-        fifo = path_of(conn, key(2))
-        os.makedirs(os.path.dirname(fifo))
-        os.mkfifo(fifo, 0o600)
-        for call in (conn.get_into(NS, [key(2)], [memoryview(bytearray(100))]), conn.exists(NS, [key(1)])):
+        # A write whose thread hangs in the middle of its page (a disk that stopped answering); a write
+        # queued behind it on the one write thread times out as well.
+        stuck = stall.StalledMemory(64 * KiB)
+        # (With its checksum: the Python path hashes a page that comes without one before writing it,
+        # holding the GIL, and the stalled memory would stop every thread.)
+        for call in (conn.put(NS, [key(2)], [stuck.view], [1]), conn.put(NS, [key(3)], [page(3, 100)])):
             with pytest.raises(BackendUnavailable) as e:
                 await call
             assert e.value.reason == "timeout"
-        assert conn.counters["errors.timeout"] == 2
-        # Released: the read fails (preadv of a FIFO) and the thread is free again.
-        for _ in range(500):
-            with contextlib.suppress(OSError):  # ENXIO until the io thread has it open
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-                break
-            await asyncio.sleep(0.01)
+        assert conn.counters["errors.timeout"] >= 2
+        stuck.release()  # the thread is free again; the write it had begun was given up: not published
         conn._timeout = 30.0  # 50 ms is short on a busy CI
         assert await conn.put(NS, [key(1)], [page(1, 100)]) == [True]
         assert await conn.exists(NS, [key(1)]) == 1
         buf = memoryview(bytearray(100))
         assert await conn.get_into(NS, [key(1)], [buf]) == [True] and buf == page(1, 100)
+        assert not exists(path_of(conn, key(2))) and not exists(path_of(conn, key(3)))
+        assert no_temp_files(conn)
+        stuck.close()
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.005)
+
+
+@stall.needs_stall
+async def test_a_put_given_up_holds_its_buffers_until_its_thread_lets_go(tmp_path) -> None:
+    # The regression behind wrong KV in L3: a put answered at its time-out while an io thread was still in
+    # the middle of a page; the caller reused the slot and the thread published the new bytes. Now the
+    # call's Hold keeps the buffers until the thread ends, and what it finishes is not renamed into place.
+    async with started(tmp_path, io_threads=1, operation_timeout="100ms") as conn:
+        stuck = stall.StalledMemory(64 * KiB)
+        hold = Hold()
+        keys = [key(1), key(2)]
+        with pytest.raises(BackendUnavailable):
+            await conn.put(NS, keys, [stuck.view, page(2, 100)], [123, None], hold=hold)
+        assert not hold.released and hold.pending == 1
+        let_go = []
+        hold.when_released(lambda: let_go.append(1))
+        # A second call queued behind the stuck one and given up never began: it holds nothing.
+        second = Hold()
+        with pytest.raises(BackendUnavailable):
+            await conn.put(NS, [key(3)], [page(3, 100)], hold=second)
+        await _until(lambda: second.released)
+        stuck.release()
+        await _until(lambda: hold.released)
+        assert let_go == [1]
+        assert not any(exists(path_of(conn, k)) for k in (*keys, key(3)))
+        assert no_temp_files(conn)
+        stuck.close()
+
+
+@stall.needs_stall
+async def test_a_get_given_up_holds_its_buffers_until_its_thread_lets_go(tmp_path) -> None:
+    # A read that lands in a slot after its call was answered must not land in a slot handed to another
+    # page meanwhile: the Hold keeps it until the read ended.
+    async with started(tmp_path, io_threads=1, operation_timeout="100ms") as conn:
+        assert await conn.put(NS, [key(1)], [page(1, 64 * KiB)]) == [True]
+        stuck = stall.StalledMemory(64 * KiB)
+        hold = Hold()
+        with pytest.raises(BackendUnavailable):
+            await conn.get_into(NS, [key(1)], [stuck.view], hold=hold)
+        assert not hold.released
+        stuck.release()
+        await _until(lambda: hold.released)
+        stuck.close()
+
+
+async def test_objects_that_are_not_pages_are_misses_at_once(tmp_path) -> None:
+    # One odd object must never be an outage: a FIFO (whose open would wait for a writer), a directory
+    # and a symlink at page paths, and a shard or namespace directory that is a symlink leading out of the
+    # root, are misses without waiting for the time-out, and never lead outside the root.
+    async with started(tmp_path, operation_timeout="10s") as conn:
+        good = [key(10)]
+        assert await conn.put(NS, good, [page(10, 100)]) == [True]
+        fifo, directory, link = key(1), key(2), key(3)
+        for k in (fifo, directory, link):
+            os.makedirs(os.path.dirname(path_of(conn, k)), exist_ok=True)
+        os.mkfifo(path_of(conn, fifo), 0o600)
+        os.mkdir(path_of(conn, directory))
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "page").write_bytes(b"x" * 132)
+        os.symlink(outside / "page", path_of(conn, link))
+        shard_link = "ff" + "0" * 62  # its shard directory ff/00 is a symlink out of the root
+        os.makedirs(os.path.join(conn.root, NS, "ff"))
+        os.symlink(outside, os.path.join(conn.root, NS, "ff", "00"))
+        (outside / shard_link).write_bytes(b"x" * 132)
+        os.symlink(outside, os.path.join(conn.root, "ns-link"))  # a namespace directory that is a symlink
+        keys = [fifo, directory, link, shard_link, *good]
+        bufs = [memoryview(bytearray(100)) for _ in keys]
+        start = time.monotonic()
+        assert await conn.get_into(NS, keys, bufs) == [False, False, False, False, True]
+        assert await conn.get_into("ns-link", [shard_link], bufs[:1]) == [False]
+        assert await conn.exists(NS, [fifo]) == 0 and await conn.exists(NS, [shard_link]) == 0
+        assert time.monotonic() - start < 5  # not one of them waited for operation_timeout
+        # Writes never follow them out either, and nothing out there is removed.
+        assert await conn.put(NS, [shard_link], [page(1, 100)]) == [False]
+        assert await conn.put("ns-link", [key(5)], [page(5, 100)]) == [False]
+        assert await conn.delete(NS, [shard_link]) == 0
+        assert sorted(os.listdir(outside)) == sorted(["page", shard_link])
+        assert (outside / shard_link).read_bytes() == b"x" * 132
+        assert conn.counters["not_a_page"] >= 2
+        await conn.probe(timeout=5)  # the store as a whole still works
 
 
 async def test_closed_connector_raises(tmp_path) -> None:

@@ -6,7 +6,6 @@ reach the caller through the event loop's reader, whatever the loop is doing."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import gc
 import os
@@ -16,6 +15,7 @@ import time
 import types
 
 import pytest
+import stall
 from hicached.connectors import file as file_module
 from hicached.connectors.file import FileConnector
 
@@ -55,21 +55,17 @@ def reap_all(engine, want: int, timeout: float = 10.0) -> dict:
     return out
 
 
-def block_with_fifo(root: str, k: str) -> str:
-    """A FIFO in place of page `k`: an engine thread that reads it waits in open() until release()."""
-    path = path_of(root, k)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.mkfifo(path, 0o600)
-    return path
+NO_STALL = stall.available()
+needs_stall = pytest.mark.skipif(
+    NO_STALL is not None, reason=f"no thread can be stalled mid-page: {NO_STALL}"
+)
 
 
-def release(fifo: str) -> None:
-    for _ in range(1000):
-        with contextlib.suppress(OSError):  # ENXIO until a thread has it open
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            return
-        time.sleep(0.005)
-    raise AssertionError("no thread opened the FIFO")
+def wait_running(engine, n: int = 1) -> None:
+    deadline = time.monotonic() + 10
+    while engine.info["running"] < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
 
 
 def test_jobs_of_every_kind_come_back_with_their_tokens(tmp_path) -> None:
@@ -125,47 +121,137 @@ def test_bad_arguments_are_refused_at_once_and_the_engine_keeps_working(tmp_path
     engine.close()
 
 
+@needs_stall
 def test_close_runs_what_was_queued_and_refuses_more(tmp_path) -> None:
     io, root = file_module._pageio, os.fsencode(tmp_path)
     engine = io.Engine(1)
     stop = bytearray(1)
-    fifo = block_with_fifo(str(tmp_path), key(0))
-    engine.read("blocked", NS, [key(0)], root, [bytearray(8)], CHUNK, stop, -1.0)
+    stuck = stall.StalledMemory(8 * KiB)  # the one thread waits in the middle of this page's pwritev
+    engine.write("blocked", NS, [key(0)], root, b"t", [stuck.view], CHUNK, stop, False, False)
     engine.write("queued", NS, [key(1)], root, b"t", [b"abc"], CHUNK, stop, False, False)
-    deadline = time.monotonic() + 10
-    while engine.info["running"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_running(engine)
     assert (engine.info["running"], engine.info["queued"]) == (1, 1)
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.write("late", NS, [key(2)], root, b"t", [b"abc"], CHUNK, stop, False, False)
     assert engine.info["closed"]
-    release(fifo)
+    stuck.release()
     done = reap_all(engine, 2)
-    assert done["blocked"][0] == [errno.ESPIPE]  # preadv of a FIFO
+    assert done["blocked"][0] == [0]
     assert done["queued"] == ([0], 35, 0)
     assert not os.path.exists(path_of(str(tmp_path), key(2)))
+    stuck.close()
 
 
+@needs_stall
 def test_an_engine_dropped_with_jobs_queued_and_running_is_harmless(tmp_path) -> None:
     io, root = file_module._pageio, os.fsencode(tmp_path)
     engine = io.Engine(1)
     stop = bytearray(1)
-    fifo = block_with_fifo(str(tmp_path), key(0))
-    buf = bytearray(8)
-    engine.read("running", NS, [key(0)], root, [buf], CHUNK, stop, -1.0)
+    stuck = stall.StalledMemory(8 * KiB)
+    engine.write("running", NS, [key(0)], root, b"t", [stuck.view], CHUNK, stop, False, False)
     for i in range(1, 4):
         engine.write(f"queued{i}", NS, [key(i)], root, b"t", [b"abc"], CHUNK, stop, False, False)
-    deadline = time.monotonic() + 10
-    while engine.info["running"] == 0:  # the thread has the read; the writes wait behind it
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_running(engine)  # the thread has the first write; the others wait behind it
     del engine
     gc.collect()
-    release(fifo)  # the thread ends its job, finds no engine, and exits
+    stuck.release()  # the thread ends its job, finds no engine, and exits
     time.sleep(0.05)
     assert not any(os.path.exists(path_of(str(tmp_path), key(i))) for i in range(1, 4))  # dropped, not run
+
+
+@needs_stall
+def test_a_queued_job_can_be_taken_back_and_a_running_one_cannot(tmp_path) -> None:
+    # What the connector does for a call given up on: a job no thread has begun never touches its buffers
+    # (answered CANCELLED at once); one that runs is answered when its page in progress ends.
+    io, root = file_module._pageio, os.fsencode(tmp_path)
+    engine = io.Engine(1)
+    stop = bytearray(1)
+    stuck = stall.StalledMemory(8 * KiB)
+    engine.write("running", NS, [key(0)], root, b"t", [stuck.view], CHUNK, stop, False, False)
+    wait_running(engine)
+    engine.write("queued", NS, [key(1)], root, b"t", [b"abc"], CHUNK, stop, False, False)
+    engine.write("last", NS, [key(2)], root, b"t", [b"abc"], CHUNK, stop, False, False)
+    assert engine.cancel("queued") is True
+    assert engine.cancel("running") is False and engine.cancel("nobody") is False
+    assert reap_all(engine, 1) == {"queued": ([io.CANCELLED], 0, 0)}
+    assert engine.info["queued"] == 1
+    stuck.release()
+    assert reap_all(engine, 2) == {"running": ([0], 32 + 8 * KiB, 0), "last": ([0], 35, 0)}
+    assert engine.cancel("last") is False
+    assert not os.path.exists(path_of(str(tmp_path), key(1)))
+    engine.close()
+    stuck.close()
+
+
+@needs_stall
+def test_a_write_finished_after_stop_is_not_published(tmp_path) -> None:
+    io, root = file_module._pageio, os.fsencode(tmp_path)
+    engine = io.Engine(1)
+    stop = bytearray(1)
+    stuck = stall.StalledMemory(8 * KiB)
+    engine.write("w", NS, [key(0), key(1)], root, b"t", [stuck.view, b"abc"], CHUNK, stop, False, False)
+    wait_running(engine)
+    stop[0] = 1  # the caller gave up while the thread was in the middle of the first page
+    stuck.release()
+    assert reap_all(engine, 1) == {"w": ([io.CANCELLED, io.CANCELLED], 0, 0)}
+    assert os.listdir(tmp_path / NS / "00" / "00") == []  # neither renamed into place nor left behind
+    engine.close()
+    stuck.close()
+
+
+def test_a_payload_that_does_not_hash_to_its_checksum_is_not_published(tmp_path) -> None:
+    io, root = file_module._pageio, os.fsencode(tmp_path)
+    engine = io.Engine(1)
+    stop = bytearray(1)
+    pages = [page(1, 300 * KiB), page(2, 4 * KiB)]
+    sums = [file_module.header.checksum(pages[0]) ^ 1, file_module.header.checksum(pages[1])]
+    engine.write("w", NS, [key(1), key(2)], root, b"t", pages, CHUNK, stop, False, False, sums)
+    assert reap_all(engine, 1) == {"w": ([io.CHANGED, 0], 32 + 4 * KiB, 0)}
+    assert not os.path.exists(path_of(str(tmp_path), key(1)))
+    assert os.listdir(tmp_path / NS / "00" / "00") == [key(2)]
+    engine.close()
+
+
+def test_pages_are_opened_beneath_the_root_and_never_through_a_symlink(tmp_path) -> None:
+    io = file_module._pageio
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / NS / "00").mkdir(parents=True)
+    outside.mkdir()
+    os.symlink(outside, root / NS / "00" / "00")  # a shard directory that leads out of the root
+    engine = io.Engine(1)
+    stop = bytearray(1)
+    broot = os.fsencode(root)
+    engine.write("w", NS, [key(1)], broot, b"t", [b"abc"], CHUNK, stop, False, False)
+    (outside / key(2)).write_bytes(b"x" * 40)
+    engine.read("r", NS, [key(2)], broot, [bytearray(8)], CHUNK, stop, -1.0)
+    engine.exists("e", NS, [key(2)], broot, stop)
+    engine.delete("d", NS, [key(2)], broot, stop)
+    done = reap_all(engine, 4)
+    assert done["w"][0][0] in (errno.ELOOP, errno.ENOTDIR)
+    assert done["r"][0][0] in (io.NOT_PAGE, errno.ENOTDIR)  # a symlink on the way: not a page of ours
+    assert done["e"][0][0] in (errno.ENOENT, errno.ENOTDIR)
+    assert done["d"][0][0] in (errno.ENOENT, errno.ENOTDIR)
+    assert sorted(os.listdir(outside)) == [key(2)]  # nothing written, read or removed out there
+    engine.close()
+
+
+def test_a_fifo_or_a_directory_at_a_page_path_is_a_miss_at_once(tmp_path) -> None:
+    io, root = file_module._pageio, os.fsencode(tmp_path)
+    shard = tmp_path / NS / "00" / "00"
+    shard.mkdir(parents=True)
+    os.mkfifo(shard / key(1), 0o600)  # its open would wait for a writer
+    (shard / key(2)).mkdir()
+    engine = io.Engine(1)
+    stop = bytearray(1)
+    engine.read("r", NS, [key(1), key(2)], root, [bytearray(8), bytearray(8)], CHUNK, stop, -1.0)
+    engine.exists("e", NS, [key(1)], root, stop)
+    assert reap_all(engine, 2, timeout=5) == {
+        "r": ([io.NOT_PAGE, io.NOT_PAGE], 0, 0),
+        "e": ([errno.ENOENT], 0, 0),
+    }
+    assert sorted(os.listdir(shard)) == [key(1), key(2)]  # left alone: not ours to remove
+    engine.close()
 
 
 def test_cancelled_jobs_touch_nothing(tmp_path) -> None:
@@ -228,17 +314,18 @@ async def test_reads_complete_while_the_event_loop_is_busy(tmp_path) -> None:
         await conn.close()
 
 
+@needs_stall
 async def test_a_call_in_flight_at_close_gets_its_answer(tmp_path) -> None:
     conn = _connector(tmp_path, io_threads=1)
     await conn.start()
-    fifo = block_with_fifo(conn.root, key(0))
-    read = asyncio.ensure_future(conn.get_into(NS, [key(0)], [memoryview(bytearray(8))]))
+    stuck = stall.StalledMemory(8 * KiB)
+    write = asyncio.ensure_future(conn.put(NS, [key(0)], [stuck.view]))
     await asyncio.sleep(0.05)
     await conn.close()
-    await asyncio.get_running_loop().run_in_executor(None, release, fifo)
-    assert await asyncio.wait_for(read, 10) == [False]
-    assert conn.counters["errors.ESPIPE"] == 1
+    stuck.release()
+    assert await asyncio.wait_for(write, 10) == [True]
     assert conn._engine_loop is None  # the loop no longer watches the engines
+    stuck.close()
 
 
 def test_a_connector_started_on_one_loop_works_on_another(tmp_path) -> None:

@@ -376,9 +376,9 @@ def _page_files(root, ns: str) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("native", COPY_PATHS)
 async def test_the_checksums_a_store_takes_go_to_l3_as_they_are(tmp_path, monkeypatch, native):
-    """With the C module the client takes each page's xxh3 as it copies it (put and commit carry them) and
-    the backup writes those into the page headers without hashing the pages again; without it, the file
-    connector hashes them. Either way every header holds the checksum of its page."""
+    """The client takes each page's xxh3 as it copies it (in the same pass with the C module; from the
+    source, still in the cache, without it): put and commit carry them, the backup hands them to L3, and
+    every header holds the checksum of its page."""
     import hicached.connectors.file as file_mod
     import xxhash
 
@@ -389,10 +389,10 @@ async def test_the_checksums_a_store_takes_go_to_l3_as_they_are(tmp_path, monkey
     given: dict = {}  # key -> the checksum the backup handed to the connector
     real_put = file_mod.FileConnector.put
 
-    async def put(self, namespace, keys, payloads, checksums=None):
+    async def put(self, namespace, keys, payloads, checksums=None, hold=None):
         if namespace == "sums.ns":  # not the backend's probe
             given.update(zip(keys, checksums or [None] * len(keys), strict=True))
-        return await real_put(self, namespace, keys, payloads, checksums)
+        return await real_put(self, namespace, keys, payloads, checksums, hold)
 
     monkeypatch.setattr(file_mod.FileConnector, "put", put)
     d = Daemon(daemon_cfg(tmp_path))
@@ -410,11 +410,13 @@ async def test_the_checksums_a_store_takes_go_to_l3_as_they_are(tmp_path, monkey
     want = {k: xxhash.xxh3_64_intdigest(p) for k, p in zip(keys, pages, strict=True)}
     files = _page_files(tmp_path / "data", "sums.ns")
     assert {k: int.from_bytes(files[k][16:24], "little") for k in keys} == want
-    assert given == (want if native else dict.fromkeys(keys))
+    assert given == want
 
 
 @pytest.mark.skipif(client_ops_native is None, reason="hicached.common._pageio is not built (no C compiler)")
-async def test_a_wrong_checksum_from_a_client_makes_a_miss_in_l3_never_wrong_bytes(tmp_path, monkeypatch):
+async def test_a_wrong_checksum_from_a_client_keeps_the_page_out_of_l3(tmp_path, monkeypatch):
+    # The checksum a page enters L2 with is what L3 holds it to: a page whose bytes do not hash to it is
+    # never published there (never wrong bytes under a key), counted, and a miss after a restart.
     import hicached.engine.ops as client_ops
 
     real = client_ops._copy_pages
@@ -435,6 +437,11 @@ async def test_a_wrong_checksum_from_a_client_makes_a_miss_in_l3_never_wrong_byt
             monkeypatch.undo()
             assert await c.get(keys) == pages  # L2 holds the engine's bytes
             assert await d.tiers.backup.drain(30)
+            stats = await c.stats()
+            assert stats["backend_counters"]["errors.changed"] == 1
+            # Found changed once refused: not retried, not owed to L3, not counted lost.
+            assert stats["counters"]["backup.changed"] == 1 and stats["counters"]["backup.lost"] == 0
+            assert "backup.failed" not in stats["counters"]
     finally:
         d.handle_signal(signal.SIGTERM)
         await d.shutdown()
@@ -445,8 +452,7 @@ async def test_a_wrong_checksum_from_a_client_makes_a_miss_in_l3_never_wrong_byt
             bufs = [bytearray(PAGE) for _ in keys]
             assert await c.load(keys, bufs) == 3  # the page with the wrong checksum ends the prefix
             assert [bytes(b) for b in bufs[:3]] == pages[:3] and not any(bufs[3])
-            # Read once (by the warmup or by this load), found corrupt, counted and removed.
-            assert (await c.stats())["backend_counters"]["corrupt.checksum"] == 1
+            assert "corrupt.checksum" not in (await c.stats())["backend_counters"]  # never written at all
             assert await c.exists(keys) == 3
     finally:
         d.handle_signal(signal.SIGTERM)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hicached.common.errors import HicachedError
@@ -59,9 +61,26 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 
+def without_file_capabilities() -> None:
+    """A Popen preexec_fn: the daemon runs as root but without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (out
+    of its bounding set, so exec does not give them back): file modes apply to it as to any user. How a
+    test running as root (CI) plays a daemon of another uid against unreadable files, where a process of
+    another uid could not run this Python (under /root) at all."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 class DaemonProcess:
-    def __init__(self, workdir: str, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str,
+        overrides: dict[str, Any] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
         self.workdir = workdir
+        self.preexec = preexec
         os.makedirs(workdir, exist_ok=True)
         self.config = merge(BASE_CONFIG, overrides or {})
         self.config_path = os.path.join(workdir, "hicached.toml")
@@ -81,6 +100,7 @@ class DaemonProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=self.workdir,
+            preexec_fn=self.preexec,
         )
         log.close()
         deadline = time.monotonic() + timeout

@@ -12,6 +12,7 @@ import gc
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from hicached.daemon.l2.slabs import SizeClass, SlabAllocator, slot_size
 
@@ -287,11 +288,12 @@ class PageIndex:
         for offset in offsets:
             self.alloc.free(cls, offset)
 
-    def remove(self, entry: Entry, quarantine: float = 0.0) -> None:
+    def remove(self, entry: Entry, quarantine: float = 0.0, until: Any = None) -> None:
         """Drops the entry and frees its slot. The caller makes sure nobody holds a lease on it.
 
-        With `quarantine`, the slot is only freed that many seconds later: for a read from L3 that timed
-        out, whose I/O thread may still be writing into the slot and cannot be stopped."""
+        With `quarantine`, the slot is only freed that many seconds later (an engine's copy that may still
+        land in it); with `until` (a hicached.connectors.base.Hold), once nothing runs on it any more: a
+        read from L3 given up while its I/O thread, which cannot be stopped mid-page, still writes into it."""
         if not self.live(entry):
             return
         if entry.in_lru:
@@ -301,13 +303,16 @@ class PageIndex:
             entry.in_dirty = False
         self._delete(entry)
         self.on_remove([entry])
-        self._release_slot(entry, quarantine)
+        self._release_slot(entry, quarantine, until)
 
-    def _release_slot(self, entry: Entry, quarantine: float) -> None:
-        if quarantine > 0:
+    def _release_slot(self, entry: Entry, quarantine: float, until: Any = None) -> None:
+        if quarantine > 0 or (until is not None and not until.released):
             entry.state = QUARANTINED  # still in _by_offset, so its slab is not reassigned meanwhile
             self.counters["quarantined"] += 1
-            asyncio.get_running_loop().call_later(quarantine, self._free_slot, entry)
+            if until is not None:
+                until.when_released(lambda: self._free_slot(entry))
+            else:
+                asyncio.get_running_loop().call_later(quarantine, self._free_slot, entry)
         else:
             self._free_slot(entry)
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from hicached.common.errors import UNSUPPORTED, HicachedError
 from hicached.common.geometry import Geometry, Plan, plan, split
@@ -118,21 +119,68 @@ class Copier:
 
     def copy(
         self, region: Any, to_pool: bool, geom: Geometry, pages: list[int], slots: list[int]
-    ) -> asyncio.Future[None]:
-        """Copy pages `pages` of `region` into (or, with to_pool False, out of) the slots at `slots`."""
+    ) -> asyncio.Future[list[int] | None]:
+        """Copy pages `pages` of `region` into (or, with to_pool False, out of) the slots at `slots`. Into
+        the pool, the future's result is each slot's checksum (xxh3-64, as a page header keeps it), taken
+        once the copy ended: what the page's bytes must hash to from the moment it enters L2."""
         loop = asyncio.get_running_loop()
         self.requests += 1
         if region.kind == "cuda":
             batch = Batch(loop, 1)
             self.cuda().copy(region, to_pool, geom, pages, slots, batch)
-            return batch.future
-        jobs = split(plan(geom, pages, slots), self.threads, SPLIT_MIN_BYTES) if pages else []
-        batch = Batch(loop, len(jobs))
-        if not jobs:
-            batch.future.set_result(None)
-        for job in jobs:
-            self._host.submit(self._host_job, batch, region.array, to_pool, job)
-        return batch.future
+        else:
+            jobs = split(plan(geom, pages, slots), self.threads, SPLIT_MIN_BYTES) if pages else []
+            batch = Batch(loop, len(jobs))
+            if not jobs:
+                batch.future.set_result(None)
+            for job in jobs:
+                self._host.submit(self._host_job, batch, region.array, to_pool, job)
+        return self._checksums(batch.future, slots, geom.page_bytes) if to_pool else batch.future
+
+    def _checksums(
+        self, copied: asyncio.Future[None], slots: list[int], size: int
+    ) -> asyncio.Future[list[int] | None]:
+        """`copied`, followed by the checksums of the slots it filled, hashed on the copy threads (xxh3
+        drops the GIL), a share each; its error if it failed."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Future[list[int] | None] = loop.create_future()
+        parts = max(1, min(self.threads, len(slots), len(slots) * size // SPLIT_MIN_BYTES))
+        groups = [slots[i * len(slots) // parts : (i + 1) * len(slots) // parts] for i in range(parts)]
+        sums: list[list[int]] = [[] for _ in groups]
+        batch = Batch(loop, parts)
+
+        def hashed(f: asyncio.Future[None]) -> None:
+            if out.done():
+                return
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result([s for group in sums for s in group])
+
+        def after_copy(f: asyncio.Future[None]) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            batch.future.add_done_callback(hashed)
+            for i, group in enumerate(groups):
+                self._host.submit(self._hash_job, batch, group, size, sums, i)
+
+        copied.add_done_callback(after_copy)
+        return out
+
+    def _hash_job(self, batch: Batch, slots: list[int], size: int, sums: list[list[int]], i: int) -> None:
+        """On a copy thread."""
+        pool = self._pool_arr
+        jid = self.tracker.start()
+        error = None
+        try:
+            if pool is None:
+                raise RuntimeError("the copier is closed")
+            sums[i] = [xxhash.xxh3_64_intdigest(pool[o : o + size]) for o in slots]
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        self.tracker.end(jid, 0, error is None)  # bytes: those copied; this job copies none
+        batch.job_done(error)
 
     def _host_job(self, batch: Batch, region: np.ndarray, to_pool: bool, p: Plan) -> None:
         """On a copy thread."""

@@ -254,7 +254,7 @@ class RegionService:
 
     def _start_copy(
         self, s: Session, region: Region, to_pool: bool, pages: list[int], slots: list[int]
-    ) -> asyncio.Future[None]:
+    ) -> asyncio.Future[list[int] | None]:
         if region.closed:
             raise HicachedError(NOT_FOUND, f"region {region.handle} was unregistered")
         fut = self.copier.copy(region, to_pool, region.geom, pages, slots)
@@ -265,7 +265,7 @@ class RegionService:
         fut.add_done_callback(lambda f: self._copied(f, st, region))
         return fut
 
-    def _copied(self, fut: asyncio.Future[None], st: SessionRegions, region: Region) -> None:
+    def _copied(self, fut: asyncio.Future[list[int] | None], st: SessionRegions, region: Region) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             self.counters["copy_errors"] += 1  # also marks the error retrieved when nobody awaits it now
         st.inflight -= 1
@@ -291,13 +291,13 @@ class RegionService:
         try:
             fut = self._start_copy(s, region, True, [pages[i] for i in todo], [offsets[i] for i in todo])
             # Shielded: a cancelled request (its connection closed) must not forget a copy still running.
-            await asyncio.shield(fut)
+            sums = await asyncio.shield(fut)
         except asyncio.CancelledError:
             raise  # the connection closed: its slots go once the copy has ended (close_session)
         except BaseException:
             self.tiers.abort_held(s, held)
             raise
-        self.tiers.commit_held(s, held)
+        self.tiers.commit_held(s, held, sums)
         for i in todo:
             result[i] = True
         self.counters["store_pages"] += len(todo)

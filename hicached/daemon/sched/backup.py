@@ -14,8 +14,10 @@ import time
 from collections.abc import Callable, Iterable
 from itertools import groupby
 
+import xxhash
+
 from hicached.common.retry import Backoff
-from hicached.connectors.base import BackendError
+from hicached.connectors.base import BackendError, Hold
 from hicached.daemon.l2.index import READY, Entry, PageIndex
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
@@ -54,6 +56,7 @@ class Backup:
         self._idle.set()
         self.inflight = 0
         self.calls = 0  # backend calls in flight
+        self.lingering = 0  # pages still leased by puts given up whose io threads have not let go yet
         # Calls allowed in flight right now (0: no limit besides concurrency); Tiers lowers it while engines
         # are busy, so that background writes leave them the CPU.
         self.allowed: Callable[[], int] = lambda: 0
@@ -61,9 +64,10 @@ class Backup:
         # anyway (0: not at all); Tiers sets it while engines are busy (storage.backup_defer).
         self.defer: Callable[[], float] = lambda: 0.0
         self._workers: list[asyncio.Task[None]] = []
-        # Pages given up after the attempts (not in L3, no longer held for it): a flush queues them again,
-        # since the backend may take them now (a disk freed), and answers False while any is left. Bounded
-        # by L2: Tiers drops a page from here when it leaves L2.
+        # Pages given up after the attempts (not in L3, no longer held for it): a flush, a backend attaching
+        # or an engine storing one again queues them again, since the backend may take them now (a disk
+        # freed); a flush answers False while any is left. Bounded by L2: Tiers drops a page from here when
+        # it leaves L2, and counts it lost (backup.lost).
         self.abandoned: set[Entry] = set()
 
     @property
@@ -164,14 +168,50 @@ class Backup:
 
     async def _write(self, ns: str, entries: list[Entry]) -> None:
         self.index.lease_all(entries)
+        hold = Hold()
         try:
-            await self._write_leased(ns, entries)
+            await self._write_leased(ns, entries, hold)
         finally:
             for e in entries:
                 e.queued = False
-            self.index.unlease_all(entries)
+            if hold.released:
+                self.index.unlease_all(entries)
+            else:
+                # A put given up (time-out) whose io thread is still in the middle of a page: the slots
+                # stay leased, out of eviction's and everyone's reach, until it let go of them.
+                self.lingering += len(entries)
+                hold.when_released(lambda: self._let_go(entries))
 
-    async def _write_leased(self, ns: str, todo: list[Entry]) -> None:
+    def _let_go(self, entries: list[Entry]) -> None:
+        self.lingering -= len(entries)
+        self.index.unlease_all(entries)
+
+    def _not_changed(
+        self, ns: str, failed: list[Entry], views: list[memoryview], todo: list[Entry]
+    ) -> list[Entry]:
+        """Of the pages L3 refused, those whose bytes no longer hash to the checksum they were stored with
+        (an engine wrote into its slot after storing it, or sent a wrong checksum): L3 will never take them
+        and the daemon cannot vouch for them, so they are not retried nor owed to L3 any more (counted,
+        never lost); the others are returned, to be retried. Hashed only here, after a refusal."""
+        slot = dict(zip(map(id, todo), views, strict=True))
+        changed = [e for e in failed if xxhash.xxh3_64_intdigest(slot[id(e)]) != e.checksum]
+        if not changed:
+            return failed
+        self.counters["backup.changed"] += len(changed)
+        log.warning(
+            "%d pages of %s do not hash to the checksum they were stored with (an engine wrote into its "
+            "slot after storing it, or sent a wrong checksum): not written to L3",
+            len(changed),
+            ns,
+        )
+        for e in changed:
+            e.dirty = False
+            self.abandoned.discard(e)
+            self.index.update(e)
+        gone = set(map(id, changed))
+        return [e for e in failed if id(e) not in gone]
+
+    async def _write_leased(self, ns: str, todo: list[Entry], hold: Hold) -> None:
         attempt = 1
         last_error = "the backend refused the pages"
         while todo:
@@ -185,14 +225,17 @@ class Backup:
                 keys = [e.key for e in todo]
                 pool = self.pool.view  # Pool.slot, inlined
                 views = [pool[e.offset : e.offset + e.size] for e in todo]
-                # Checksums the engines' clients took as they stored the pages: the backend writes them as
-                # they are instead of reading each page once more to hash it.
+                # Each page's checksum as it entered L2 (taken by the engine's client or the copy executor):
+                # the backend writes it into the header and publishes the page only if its bytes, as
+                # written, hash to it; never one of a page's bytes as they may be now.
                 sums = [e.checksum for e in todo]
-                if not any(sums):  # (0 is a checksum too, but one in 2^64: it is only hashed again)
-                    sums = None
+                for i, e in enumerate(todo):
+                    if sums[i] is None:  # read from L3 (prefetched, checked there): hashed now, while leased
+                        sums[i] = e.checksum = xxhash.xxh3_64_intdigest(views[i])
                 epoch = self.backend.epoch
                 ok = await self.backend.call(
-                    "put", lambda c, keys=keys, views=views, sums=sums: c.put(ns, keys, views, sums)
+                    "put",
+                    lambda c, keys=keys, views=views, sums=sums: c.put(ns, keys, views, sums, hold=hold),
                 )
                 if self.backend.epoch != epoch:
                     continue  # written to a store swapped out meanwhile: write them to the new one
@@ -210,7 +253,7 @@ class Backup:
                         failed.append(e)
                 self.counters["backup.pages"] += len(todo) - len(failed)
                 self.counters["backup.bytes"] += nbytes
-                todo = failed
+                todo = self._not_changed(ns, failed, views, todo) if failed else failed
             except BackendError as e:
                 last_error = str(e)
                 self.counters[f"backup.errors.{e.reason}"] += 1

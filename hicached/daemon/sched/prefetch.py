@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from hicached.config.schema import batch_size
-from hicached.connectors.base import BackendError
+from hicached.connectors.base import BackendError, Hold
 from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
@@ -40,7 +40,6 @@ class Prefetcher:
         batch_pages: int,
         batch_bytes: int,
         queue_pages: int,
-        quarantine: float,
     ) -> None:
         self.index = index
         self.pool = pool
@@ -50,7 +49,6 @@ class Prefetcher:
         self.batch_pages = batch_pages
         self.batch_bytes = batch_bytes
         self.queue_pages = queue_pages
-        self.quarantine = quarantine
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = itertools.count()
         self.pending = 0  # pages queued or being read
@@ -212,15 +210,17 @@ class Prefetcher:
         keys = [e.key for e in entries]
         pool = self.pool.view  # Pool.slot inlined: this runs for every page prefetched
         views = [pool[e.offset : e.offset + e.size] for e in entries]
+        hold = Hold()
         try:
-            return await self.backend.call("get", lambda c: c.get_into(ns, keys, views))
+            return await self.backend.call("get", lambda c: c.get_into(ns, keys, views, hold=hold))
         except BackendError as e:
             self.counters[f"prefetch.errors.{e.reason}"] += 1
-            if e.reason == "timeout":
-                # A read that timed out may still be landing in these slots from an I/O thread: keep the
-                # slots out of use for a while instead of handing them to new pages.
+        finally:
+            if not hold.released:
+                # Given up while an io thread is still in the middle of a page that lands in these slots:
+                # out of use until it let go of them, never handed to new pages meanwhile.
                 for entry in entries:
-                    self.index.remove(entry, quarantine=self.quarantine)
+                    self.index.remove(entry, until=hold)
         return [False] * len(entries)
 
     def _finish(self, batch: list[tuple[int, Entry]], ok: list[bool], in_l3: bool = True) -> None:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from hicached.common.errors import BAD_REQUEST, NOT_FOUND, HicachedError
 from hicached.common.protocol import (
     ALLOC_BUSY,
@@ -38,6 +40,7 @@ from hicached.daemon.sched.prefetch import Prefetcher
 log = logging.getLogger("hicached.tiers")
 
 _BUSY_WINDOW_S = 0.01  # engines that stored or loaded within this are busy (see backup_concurrency_busy)
+_LOST_LOG_INTERVAL_S = 60.0  # at most one log line about lost pages this often; it says how many since
 
 # The slots a closed connection was writing into, or held ahead for its stores, are reused only this long
 # after: a copy its engine started before it saw the close may still be landing in them.
@@ -100,6 +103,16 @@ class Tiers:
             self.attached.set()
         # (namespace, key) of pages that left L2 while in L3, most recent last; bounded.
         self.known_in_l3: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        # Acknowledged pages owed to L3 while no backend is attached to write them to (dirty when it went
+        # away, or stored since): not held in L2 for it. Backed up when one attaches; lost if they leave L2
+        # first. Bounded by L2, like backup.abandoned (the pages the backup gave up on).
+        self.stranded: set[Entry] = set()
+        # Pages lost: acknowledged, owed to L3, and gone from L2 before reaching it. Counted from 0, so that
+        # the metric exists before the first loss.
+        self.counters["backup.lost"] = 0
+        self._lost_flushed = 0  # backup.lost when the previous flush answered
+        self._lost_logged = 0  # backup.lost at the last log line about it
+        self._lost_log_next = 0.0  # time.monotonic() from which the next loss is logged
         self.index.on_remove = self._removed
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
@@ -123,7 +136,6 @@ class Tiers:
             st.prefetch_batch_pages,
             st.prefetch_batch_bytes,
             st.prefetch_queue_pages,
-            max(10.0, 3 * st.operation_timeout),
         )
         self._pressure = asyncio.Event()
         self._writeback_task: asyncio.Task[None] | None = None
@@ -152,22 +164,51 @@ class Tiers:
         return not self.write_back and time.monotonic() - self.last_engine_io <= _BUSY_WINDOW_S
 
     def _removed(self, entries: list[Entry]) -> None:
-        """Remembers which pages leaving L2 are in L3 (it runs for the pages a full pool evicts)."""
-        if self.backup.abandoned:
-            self.backup.abandoned.difference_update(entries)
+        """Pages leaving L2 (it runs for the pages a full pool evicts): those in L3 are remembered; those owed
+        to L3 that never reached it (dirty, given up by the backup, stranded without a backend) are lost."""
+        abandoned, stranded = self.backup.abandoned, self.stranded
+        at_risk = bool(abandoned or stranded)
         bound = self.cfg.storage.known_in_l3_keys
-        if bound <= 0:
-            return
         known = self.known_in_l3
+        lost = 0
         for entry in entries:
+            owed = entry.dirty
+            if at_risk and (entry in abandoned or entry in stranded):
+                abandoned.discard(entry)
+                stranded.discard(entry)
+                owed = True
             if entry.in_l3:
-                k = (entry.ns, entry.key)
-                if k in known:
-                    known.move_to_end(k)
-                else:
-                    known[k] = None
-        while len(known) > bound:
-            known.popitem(last=False)
+                if bound > 0:
+                    k = (entry.ns, entry.key)
+                    if k in known:
+                        known.move_to_end(k)
+                    else:
+                        known[k] = None
+            elif owed:
+                lost += 1
+        if bound > 0:
+            while len(known) > bound:
+                known.popitem(last=False)
+        if lost:
+            self._lose(lost)
+
+    def _lose(self, n: int) -> None:
+        """Counts `n` pages lost, and logs it: at once, then at most once a minute (what came meanwhile is
+        in the next line, written at the next loss)."""
+        self.counters["backup.lost"] += n
+        now = time.monotonic()
+        if now < self._lost_log_next:
+            return
+        total = self.counters["backup.lost"]
+        log.error(
+            "lost %d acknowledged pages since %s: they left L2 before reaching L3 (given up by the backup, "
+            "or no backend attached to write them to); %d in all (backup.lost; `ctl flush` reports them)",
+            total - self._lost_logged,
+            "the last report" if self._lost_logged else "start",
+            total,
+        )
+        self._lost_logged = total
+        self._lost_log_next = now + _LOST_LOG_INTERVAL_S
 
     def _attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
@@ -189,16 +230,20 @@ class Tiers:
                 n += 1
             elif other_store:
                 entry.in_l3 = False
+        # Every page stranded or given up that is still in L2 is dirty again (or in L3 after all).
+        self.stranded.clear()
+        self.backup.abandoned.clear()
         if n:
             log.info("queued %d pages that are not in L3 yet for %s", n, connector.name)
 
     def _detached(self) -> None:
-        """No backend: nothing can be written, so dirty pages stop holding their slots (they are backed up
-        when a backend attaches again)."""
+        """No backend: nothing can be written, so dirty pages stop holding their slots. They are still owed
+        to L3 (stranded): backed up when a backend attaches again, lost if they leave L2 before."""
         self.attached.clear()
         for entry in [e for e in self.index.entries.values() if e.dirty]:
             entry.dirty = False
             self.index.update(entry)
+            self.stranded.add(entry)
 
     @property
     def write_back(self) -> bool:
@@ -230,9 +275,14 @@ class Tiers:
     async def flush_dirty(self, timeout: float) -> bool:
         """Queue every dirty page for L3, and the pages an earlier backup gave up on (the backend may take
         them now: a disk freed), and wait for the queue to drain (shutdown, drain). True only when every
-        one of them reached L3: none was still queued at `timeout`, none was given up again."""
+        one of them reached L3: none was still queued at `timeout`, none was given up again. With no backend
+        attached nothing can be written: True only when no page owed to L3 waits in L2 for one."""
         if self.connector is None:
-            return not self.index.dirty
+            # A put in flight as the backend was detached may still have written some, or given them up
+            # (they are counted in backup.abandoned then).
+            abandoned = self.backup.abandoned
+            self.stranded.difference_update([e for e in self.stranded if e.in_l3 or e in abandoned])
+            return not self.not_in_l3()
         for entry in self.backup.abandoned:
             if self.index.live(entry) and entry.state == READY and not entry.in_l3 and not entry.dirty:
                 entry.dirty = True
@@ -244,9 +294,24 @@ class Tiers:
         return drained and self.counters["backup.failed"] == failed
 
     def not_in_l3(self) -> int:
-        """Pages acknowledged to engines that are not known to be in L3 after a flush: still queued or
-        being written, or given up by the backup."""
+        """Pages acknowledged to engines and owed to L3, still in L2, that are not known to be in L3 after a
+        flush: still queued or being written, given up by the backup, or waiting for a backend."""
+        if self.connector is None:  # whatever is still queued is stranded, and counted there
+            return len(self.backup.abandoned) + len(self.stranded)
         return self.backup.pending + len(self.backup.abandoned)
+
+    async def flush(self, timeout: float) -> dict:
+        """What `ctl flush` and `ctl drain` answer: flush_dirty, and the pages lost since the previous answer.
+        `flushed` is true only when every page owed to L3 is in it and none was lost since."""
+        done = await self.flush_dirty(timeout)
+        total = self.counters["backup.lost"]
+        lost, self._lost_flushed = total - self._lost_flushed, total
+        return {
+            "flushed": done and not lost,
+            "backup_pending": self.backup.pending,
+            "not_in_l3": self.not_in_l3(),
+            "lost": lost,
+        }
 
     # Sessions.
 
@@ -308,6 +373,8 @@ class Tiers:
         held = len(s.writing) + len(s.copying)
         room = self.backup.queue_pages - self.backup.pending - held if through else n
         get = self.index.ns_entries(s.ns).get
+        given_up = self.backup.abandoned if self.connector is not None else ()
+        retry: list[Entry] = []
         want: list[int] = []  # positions that get a slot
         first: dict[str, int] = {}  # key -> its first position, for a key asked twice
         again: list[tuple[int, int]] = []
@@ -316,6 +383,8 @@ class Tiers:
             if entry is not None:
                 if entry.state == READY:
                     self.index.touch(entry)
+                    if given_up and entry in given_up:
+                        retry.append(entry)
             elif key in first:
                 again.append((i, first[key]))
             elif len(want) >= room:
@@ -344,6 +413,8 @@ class Tiers:
             if status[j] != ALLOC_WRITE:
                 status[i] = status[j]
                 self.counters["store.busy" if status[j] == ALLOC_BUSY else "store.no_space"] += 1
+        if retry:
+            self._retry_given_up(retry)
         return status, offsets
 
     def commit(self, s: Session, keys: list[str], sums: list[int] | None = None) -> list[bool]:
@@ -372,11 +443,14 @@ class Tiers:
         s.copying.update(entries)
         return entries
 
-    def commit_held(self, s: Session, entries: list[Entry]) -> None:
-        """commit() of slots from hold_writing, whose copy ended."""
+    def commit_held(self, s: Session, entries: list[Entry], sums: list[int] | None = None) -> None:
+        """commit() of slots from hold_writing, whose copy ended; `sums`: their checksums, taken by the copy
+        executor once it had."""
         backup = []
-        for entry in entries:
+        for i, entry in enumerate(entries):
             s.copying.discard(entry)
+            if sums is not None:
+                entry.checksum = sums[i]
             if self._stored(entry):
                 backup.append(entry)
         self.backup.submit_many(backup)
@@ -392,17 +466,36 @@ class Tiers:
     def _stored(self, entry: Entry) -> bool:
         """A page whose bytes the engine has written (leased while it did) becomes ready. True when it
         is for the backup queue now (write-through): the caller submits a request's pages together."""
+        if entry.checksum is None:
+            # A client that sent none (the protocol has them optional): taken now, as the page enters L2.
+            # What its bytes must hash to from now on: L3 publishes it only if they do.
+            entry.checksum = xxhash.xxh3_64_intdigest(self.pool.slot(entry.offset, entry.size))
         entry.state = READY
         k = (entry.ns, entry.key)
         if k in self.known_in_l3:
             del self.known_in_l3[k]
             entry.in_l3 = True  # it was there when this page last left L2: not written again
             self.counters["store.known_in_l3"] += 1
-        entry.dirty = self.connector is not None and not entry.in_l3
+        if self.connector is not None:
+            entry.dirty = not entry.in_l3
+        elif not entry.in_l3 and self.cfg.storage.backend != "none":
+            # Owed to the configured backend, which is away (its breaker open, detached): backed up when it
+            # attaches. With storage.backend = "none" the daemon is L2 only: nothing is owed.
+            self.stranded.add(entry)
         self.index.unlease(entry)
         self.counters["store.pages"] += 1
         self.counters["store.bytes"] += entry.size
         return entry.dirty and not self.write_back
+
+    def _retry_given_up(self, entries: list[Entry]) -> None:
+        """Pages the backup gave up on that an engine stored again while still in L2: owed to L3 again, so
+        held for it and written (the backend may take them now), not lost when they leave L2 once written."""
+        for entry in entries:
+            self.backup.abandoned.discard(entry)
+            entry.dirty = True
+            self.index.update(entry)
+        if not self.write_back:
+            self.backup.submit_many(entries)
 
     def _after_stores(self) -> None:
         if self.write_back and self.index.reclaimable_fraction() < self.cfg.pool.writeback_low_watermark:
@@ -447,11 +540,15 @@ class Tiers:
         status = []
         backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
         held = len(s.writing) + len(s.copying)  # slots of this connection on their way to the queue too
+        given_up = self.backup.abandoned if self.connector is not None else ()
+        retry: list[Entry] = []
         for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
             entry = self.index.get(s.ns, key)
             if entry is not None:
                 if entry.state == READY:
                     self.index.touch(entry)
+                    if given_up and entry in given_up:
+                        retry.append(entry)
                 status.append(PUT_PRESENT)
                 continue
             if through and self.backup.pending + len(backup) + held >= self.backup.queue_pages:
@@ -465,6 +562,8 @@ class Tiers:
                 backup.append(entry)
             status.append(PUT_STORED)
         self.backup.submit_many(backup)
+        if retry:
+            self._retry_given_up(retry)
         self._after_stores()
         return status
 
@@ -751,7 +850,11 @@ class Tiers:
         return {
             "pool": self.index.stats() if pool is None else pool,
             "counters": dict(self.counters),
-            "backup": {"pending": self.backup.pending, "inflight": self.backup.inflight},
+            "backup": {
+                "pending": self.backup.pending,
+                "inflight": self.backup.inflight,
+                "held_by_stuck_writes": self.backup.lingering,
+            },
             "prefetch": {"pending": self.prefetcher.pending},
             "pinned_bytes": self.pinned_bytes,
             "namespaces": dict(self.namespaces),

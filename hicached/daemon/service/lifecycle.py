@@ -12,7 +12,7 @@ import socket
 from typing import Any
 
 from hicached import config
-from hicached.common.errors import BAD_REQUEST, HicachedError
+from hicached.common.errors import BACKEND_UNAVAILABLE, BAD_REQUEST, HicachedError
 from hicached.config import Config
 from hicached.config.diff import plan
 from hicached.connectors import BackendError, Connector, build
@@ -102,9 +102,9 @@ class Daemon:
         try:
             await connector.start()
             await self.tiers.backend.attach(connector, probe=True)
-        except BackendError as e:
-            await connector.close()
-            if not startup:
+        except BaseException as e:
+            await _close_quietly(connector)
+            if not startup or not isinstance(e, BackendError):
                 raise
             log.error(
                 "L3 backend %s is not usable (%s); serving from L2 only and retrying with backoff",
@@ -223,14 +223,18 @@ class Daemon:
                 dirty = len(self.tiers.index.dirty) + self.tiers.backup.pending
                 if dirty:
                     log.info("writing %d pages not yet in L3 before exit (up to %.0fs)", dirty, timeout)
-                if not await self.tiers.flush_dirty(timeout):
-                    log.error(
-                        "shutdown: %d pages did not reach L3 (%d still queued at shutdown.flush_timeout, %d "
-                        "refused by the backend)",
-                        self.tiers.not_in_l3(),
-                        self.tiers.backup.pending,
-                        len(self.tiers.backup.abandoned),
-                    )
+            answer = await self.tiers.flush(timeout)
+            if not answer["flushed"]:
+                log.error(
+                    "shutdown: %d acknowledged pages are not in L3 and go with L2 (%d still queued at "
+                    "shutdown.flush_timeout, %d refused by the backend, %d with no backend attached); %d "
+                    "were lost before, since the last flush",
+                    answer["not_in_l3"],
+                    self.tiers.backup.pending if self.tiers.connector is not None else 0,
+                    len(self.tiers.backup.abandoned),
+                    len(self.tiers.stranded),
+                    answer["lost"],
+                )
             await self.tiers.stop()
             self._save_warm_list()
             await self.tiers.backend.close()
@@ -305,20 +309,28 @@ class Daemon:
     # Reload.
 
     async def reload(self) -> dict[str, Any]:
-        """Re-read the configuration file and apply what can change live. On any error the daemon keeps
-        running with the configuration it had, and says why."""
+        """Re-read the configuration file and apply what can change live. Whatever fails, the daemon keeps
+        running with the configuration it had, says why (the answer, `ctl status`, the systemd status line)
+        and sends READY=1 after its RELOADING=1."""
         async with self._reload_lock:
             self.notifier.reloading()
             try:
                 result = await self._reload()
             except (config.ConfigError, BackendError, HicachedError, OSError) as e:
-                self.reloads["rejected"] += 1
-                self.last_reload = f"rejected: {e}"
-                log.error("reload rejected, keeping the running configuration: %s", e)
-                result = {"ok": False, "reason": str(e)}
+                result = self._rejected(str(e))
+            except Exception as e:
+                # A bug rather than a bad file: logged with its traceback, and still a refusal, so that the
+                # daemon goes on serving with what it had and systemd hears READY=1.
+                result = self._rejected(f"unexpected {type(e).__name__}: {e}", exc_info=True)
             finally:
                 self.notifier.ready(self.status_line())
             return result
+
+    def _rejected(self, reason: str, exc_info: bool = False) -> dict[str, Any]:
+        self.reloads["rejected"] += 1
+        self.last_reload = f"rejected: {reason}"
+        log.error("reload rejected, keeping the running configuration: %s", reason, exc_info=exc_info)
+        return {"ok": False, "reason": reason}
 
     async def _reload(self) -> dict[str, Any]:
         if not self.config_path:
@@ -326,17 +338,17 @@ class Daemon:
         new = config.load(self.config_path)
         p = plan(self.cfg, new)
         old = self.cfg
-        if p.swap_backend:
+        try:
             self._apply(p.config)
-            try:
+            if p.swap_backend:
                 await self._attach_configured()
-            except BaseException:
-                self._apply(old)
+        except BaseException:
+            self._apply(old)  # a refusal leaves nothing of the new file applied
+            if p.swap_backend:
                 self.tiers.counters["backend.swap_failures"] += 1
-                raise
+            raise
+        if p.swap_backend:
             self.tiers.counters["backend.swaps"] += 1
-        else:
-            self._apply(p.config)
         was, now = old.warmup, self.cfg.warmup
         if (was.enabled, was.snapshot_interval) != (now.enabled, now.snapshot_interval):
             self._follow_snapshot_interval()
@@ -377,6 +389,37 @@ class Daemon:
 
     # Operator commands (hicached ctl).
 
+    async def _attach_named(self, name: Any) -> None:
+        """`ctl backend attach [name]`: builds, starts and probes the backend (default: the configured one)
+        from the running configuration, and swaps it in. Every refusal is a HicachedError saying why."""
+        if name is None or name == "":
+            name = self.cfg.storage.backend
+        if name not in ("file", "redis", "s3"):
+            raise HicachedError(BAD_REQUEST, f"cannot attach backend {_shown(name)}: use file, redis or s3")
+        try:
+            config.check_backend(self.cfg, name)
+        except config.ConfigError as e:
+            raise HicachedError(BAD_REQUEST, f"cannot attach backend {name}: {e}") from None
+        connector: Connector | None = None
+        try:
+            connector = build(self.cfg, name)
+            await connector.start()
+            await self.tiers.backend.attach(connector, probe=True)
+        except Exception as e:
+            if connector is not None:
+                await _close_quietly(connector)
+            self.tiers.counters["backend.swap_failures"] += 1
+            if isinstance(e, BackendError):
+                raise HicachedError(e.code, f"backend {name} was not attached: {e}") from None
+            # Not a failure the connector foresaw (a bug, or a library refusing a setting): its traceback
+            # goes to the log, and the operator still gets a refusal that says what happened.
+            log.error("backend %s was not attached: unexpected %s", name, type(e).__name__, exc_info=True)
+            raise HicachedError(
+                BACKEND_UNAVAILABLE, f"backend {name} was not attached: unexpected {type(e).__name__}: {e}"
+            ) from None
+        self.tiers.counters["backend.swaps"] += 1
+        log.info("backend %s attached by ctl", name)
+
     def _control_handlers(self) -> dict[str, Any]:
         async def reload(session, req) -> dict:
             return await self.reload()
@@ -391,42 +434,21 @@ class Daemon:
                 log.info("backend detached by ctl: serving from L2 only")
                 return self.tiers.backend.stats()
             if action == "attach":
-                name = req.get("name") or self.cfg.storage.backend
-                if name not in ("file", "redis", "s3"):
-                    raise HicachedError(BAD_REQUEST, f"cannot attach backend {name!r}: use file, redis or s3")
-                connector: Connector = build(self.cfg, name)
-                try:
-                    await connector.start()
-                    await self.tiers.backend.attach(connector, probe=True)
-                except BackendError as e:
-                    await connector.close()
-                    self.tiers.counters["backend.swap_failures"] += 1
-                    raise HicachedError(e.code, f"backend {name} was not attached: {e}") from None
-                self.tiers.counters["backend.swaps"] += 1
-                log.info("backend %s attached by ctl", name)
+                await self._attach_named(req.get("name"))
                 return self.tiers.backend.stats()
-            raise HicachedError(BAD_REQUEST, f"unknown backend action {action!r}: show, attach or detach")
+            raise HicachedError(
+                BAD_REQUEST, f"unknown backend action {_shown(action)}: show, attach or detach"
+            )
 
         async def drain(session, req) -> dict:
             if req.get("cancel"):
                 self.server.draining = False
                 return {"draining": False}
             self.server.draining = True
-            ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
-            return {
-                "draining": True,
-                "flushed": ok,
-                "backup_pending": self.tiers.backup.pending,
-                "not_in_l3": self.tiers.not_in_l3(),
-            }
+            return {"draining": True, **await self.tiers.flush(self.cfg.shutdown.flush_timeout)}
 
         async def flush(session, req) -> dict:
-            ok = await self.tiers.flush_dirty(self.cfg.shutdown.flush_timeout)
-            return {
-                "flushed": ok,
-                "backup_pending": self.tiers.backup.pending,
-                "not_in_l3": self.tiers.not_in_l3(),
-            }
+            return await self.tiers.flush(self.cfg.shutdown.flush_timeout)
 
         return {
             "reload": reload,
@@ -449,12 +471,28 @@ class Daemon:
         return out
 
     def status_line(self) -> str:
-        """One line for `systemctl status`."""
+        """One line for `systemctl status`. The outcome of the last reload comes last: a long reason is what
+        the notifier cuts, not the figures."""
         idx = self.tiers.index
         used = sum(c.used * c.slot_bytes for c in idx.alloc.classes.values())
         pct = 100.0 * used / idx.alloc.capacity
         return (
             f"backend {self.tiers.backend.name} ({self.tiers.backend.state}); "
             f"pool {pct:.0f}% of {idx.alloc.capacity >> 20} MiB, {len(idx.entries)} pages; "
-            f"last reload: {self.last_reload}; pid {os.getpid()}"
+            f"pid {os.getpid()}; last reload: {self.last_reload}"
         )
+
+
+async def _close_quietly(connector: Connector) -> None:
+    """Closes a connector that was not attached; a failure to close is logged, not raised over the error
+    that is being reported."""
+    try:
+        await connector.close()
+    except Exception:
+        log.warning("closing backend %s that was not attached failed", connector.name, exc_info=True)
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """repr of a value from a request, cut short: an answer does not echo a megabyte back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -38,6 +38,9 @@ _COUNTERS = {
     "backup.pages": ("hicached_backed_up_pages_total", {}),
     "backup.bytes": ("hicached_backed_up_bytes_total", {}),
     "backup.failed": ("hicached_backup_failed_pages_total", {}),
+    "backup.lost": ("hicached_backup_lost_pages_total", {}),
+    # Pages whose bytes no longer hashed to the checksum they were stored with: never written to L3.
+    "backup.changed": ("hicached_backup_changed_pages_total", {}),
     "backend.swaps": ("hicached_backend_swaps_total", {"outcome": "ok"}),
     "backend.swap_failures": ("hicached_backend_swaps_total", {"outcome": "failed"}),
     "backend.breaker_trips": ("hicached_breaker_trips_total", {}),

@@ -14,6 +14,8 @@ import time
 log = logging.getLogger("hicached.notify")
 
 SD_LISTEN_FDS_START = 3
+# STATUS= is one line of a datagram: a reason quoted from a file or a library is cut to this many characters.
+STATUS_MAX_CHARS = 1024
 
 
 class Notifier:
@@ -43,7 +45,7 @@ class Notifier:
                 self._failed = True
 
     def ready(self, status: str = "") -> None:
-        self.send("READY=1", *([f"STATUS={status}"] if status else []))
+        self.send("READY=1", *([f"STATUS={one_line(status)}"] if status else []))
 
     def reloading(self) -> None:
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
@@ -53,7 +55,7 @@ class Notifier:
         self.send("STOPPING=1")
 
     def status(self, text: str) -> None:
-        self.send(f"STATUS={text}")
+        self.send(f"STATUS={one_line(text)}")
 
     def watchdog(self) -> None:
         self.send("WATCHDOG=1")
@@ -62,6 +64,13 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def one_line(text: str) -> str:
+    """`text` as a STATUS= value: a line break in it would start a field of its own (a reason quoting a file
+    could then send systemd READY=1 or STOPPING=1), and a long one is cut."""
+    text = " ".join(text.split())
+    return text if len(text) <= STATUS_MAX_CHARS else text[: STATUS_MAX_CHARS - 3] + "..."
 
 
 def watchdog_interval() -> float | None:

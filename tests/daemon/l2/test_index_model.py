@@ -8,7 +8,8 @@ Invariants checked after every step: every slot of every slab is free or held by
 reserved by one session, or quarantined), none overlap, class counts agree; leases equal what the sessions,
 the backup, the fills and the loads in flight hold; pins are the model's; an entry is in its LRU iff it is
 evictable, in the dirty list iff dirty, ready and not queued; a ready page leaves L2 only when evictable, and
-an acknowledged page only once in L3; the index's stats equal a recount; every ready or leased page holds
+an acknowledged page only once in L3, or after a give-up or a detach and then counted lost (backup.lost, which
+a flush answers since the previous one); the index's stats equal a recount; every ready or leased page holds
 its own bytes (each page is a per-key pattern; engines that closed keep copying into their old slots until
 the quarantine ends, and timed-out reads keep landing); what L2 believes is in L3 is in the attached store.
 
@@ -138,7 +139,7 @@ class MemStore(Connector):
         for _ in range(h.crng.randrange(4)):
             await asyncio.sleep(0)
 
-    async def put(self, ns, keys, payloads, checksums=None):
+    async def put(self, ns, keys, payloads, checksums=None, hold=None):
         await self._pause()
         h = self.h
         if h.faults and h.crng.random() < 0.1:
@@ -155,15 +156,20 @@ class MemStore(Connector):
             out.append(True)
         return out
 
-    async def get_into(self, ns, keys, buffers):
+    async def get_into(self, ns, keys, buffers, hold=None):
         await self._pause()
         h = self.h
         if h.faults and h.crng.random() < 0.08:
-            # A read that timed out: its I/O "thread" may still land the bytes for a while.
-            q = h.t.prefetcher.quarantine
+            # A read that timed out: its I/O "thread" may still land the bytes until it ends, and holds
+            # the buffers (hold) until then.
+            end = h.clock.now + h.crng.choice([1.0, 10.0, 40.0])
             for k, buf in zip(keys, buffers, strict=True):
                 if (ns, k) in self.data:
-                    h.late.append((h.clock.now + q, buf, self.data[(ns, k)], f"timed-out read {ns}/{k[:8]}"))
+                    h.late.append((end, buf, self.data[(ns, k)], f"timed-out read {ns}/{k[:8]}"))
+            if hold is not None:
+                ended = asyncio.get_running_loop().create_future()
+                hold.track(ended)
+                h.lingering.append((end, ended))
             raise BackendUnavailable("mem", "injected read timeout", "timeout")
         out = []
         for k, buf in zip(keys, buffers, strict=True):
@@ -216,6 +222,7 @@ class Harness:
         self.crng = random.Random(seed * 7919 + 1)
         self.clock = VClock()
         self.late: list = []  # (deadline, view, bytes, what)
+        self.lingering: list = []  # (deadline, future): an I/O "thread" of a given-up read that ends then
         self.faults = mode.startswith("mem")
         self.log: list[str] = []
         self.pinned: set = set()
@@ -223,6 +230,9 @@ class Harness:
         self.stores: list = []
         self.failed: str | None = None
         self.acked: set = set()  # (ns, key) acknowledged as stored with a backend attached, no swap since
+        self.acked_store = None  # the store `acked` is about: a detach keeps it, a swap to another clears it
+        self.detached = False  # a backend was detached (pages owed to L3 may leave L2 without reaching it)
+        self.lost_flushed = 0  # backup.lost when the previous flush answered
         self.parked: list = []  # futures of connector calls held up until delivered
         self.park_p = 0.5 if mode.startswith("mem") else 0.0
         self.gave_up = False  # a backup gave up on pages (they may leave L2 without reaching L3)
@@ -282,6 +292,7 @@ class Harness:
             self.stores = [conn]
         if conn is not None:
             await conn.start()
+        self.acked_store = conn
         t = self.t = Tiers(cfg, pool, conn)
         t.start()
         orig_write = t.backup._write
@@ -320,17 +331,25 @@ class Harness:
                     self.violation(
                         f"READY page left L2 while leases={e.leases} pinned={e.pinned} dirty={e.dirty}: {e}"
                     )
-            conn = self.t.connector
+            store = self.acked_store
+            must = may = 0  # pages of these that must be counted lost, and that may be
             for e in entries:
                 k = (e.ns, e.key)
-                if e.state == READY and k in self.acked and isinstance(conn, MemStore):
-                    if k not in conn.data and not self.gave_up:
-                        self.violation(f"acknowledged page {e.ns}/{e.key[:8]} left L2 without reaching L3")
+                if e.state == READY and k in self.acked and isinstance(store, MemStore):
+                    if k not in store.data:
+                        must += 1
+                        if not self.gave_up and not self.detached:
+                            self.violation(f"acknowledged page {e.ns}/{e.key[:8]} left L2, not in L3")
                 if e.state == READY:
                     self.acked.discard(k)
+                    may += not e.in_l3
             for e in entries:
                 self.log.append(f"    removed {e.ns}/{e.key[:4]} off={e.offset} {e.state} leases={e.leases}")
+            before = self.t.counters["backup.lost"]
             orig_removed(entries)
+            lost = self.t.counters["backup.lost"] - before
+            if not must <= lost <= may:
+                self.violation(f"{lost} of {len(entries)} removed counted lost: {must} must be, {may} may")
 
         t.index.on_remove = removed
         self.sessions = []
@@ -606,6 +625,10 @@ class Harness:
             dt = r.choice([0.5, 3.0, 6.0, 31.0])
             self.do_late(0.5)  # late writes first (strictly before each deadline)
             self.late = [x for x in self.late if x[0] > self.clock.now + dt]
+            for end, ended in self.lingering:  # then the threads that wrote them end
+                if end <= self.clock.now + dt:
+                    ended.set_result(None)
+            self.lingering = [x for x in self.lingering if not x[1].done()]
             self.clock.advance(dt)
             self.log.append(f"tick {dt} -> {self.clock.now}")
         elif name == "deliver":
@@ -617,7 +640,11 @@ class Harness:
         elif name == "swap":
             choice = r.randrange(3)
             new = None if choice == 2 else self.stores[choice]
-            self.acked.clear()
+            if new is None:
+                self.detached = True  # what was acknowledged is still owed to the store it was for
+            elif new is not self.acked_store:
+                self.acked.clear()
+                self.acked_store = new
             await self.inline(t.backend.attach(new, probe=False))
             self.log.append(f"swap -> {new.tag if new else None}")
         elif name == "policy":  # a reload that flips storage.write_policy
@@ -626,10 +653,13 @@ class Harness:
             t.set_policy(was)
             self.log.append(f"policy -> {t.cfg.storage.write_policy}")
         elif name == "flush":
-            ok = await self.inline(t.flush_dirty(5.0))
-            self.log.append(f"flush -> {ok}")
-            if ok and t.connector is not None and t.index.dirty:
-                self.violation(f"flush answered done with {len(t.index.dirty)} dirty pages left")
+            answer = await self.inline(t.flush(5.0))
+            self.log.append(f"flush -> {answer}")
+            lost, self.lost_flushed = t.counters["backup.lost"] - self.lost_flushed, t.counters["backup.lost"]
+            if answer["lost"] != lost:
+                self.violation(f"flush answered lost={answer['lost']}, {lost} lost since the previous flush")
+            if answer["flushed"] and (t.index.dirty or answer["not_in_l3"] or lost):
+                self.violation(f"flush answered done with {len(t.index.dirty)} dirty pages left: {answer}")
         elif name == "faults":
             self.faults = not self.faults
             self.log.append(f"faults={self.faults}")
@@ -655,6 +685,7 @@ class Harness:
 
     def ack(self, sm, ks) -> None:
         if isinstance(self.t.connector, MemStore):
+            self.acked_store = self.t.connector
             self.acked.update((sm.ns, k) for k in ks)
 
     def do_late(self, p: float) -> None:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from hicached.common.errors import HicachedError
 from hicached.common.geometry import Geometry, Segment, plan
@@ -56,10 +57,12 @@ async def test_round_trip_through_the_pool(pool):
         src = host_region(300_000, seed=1)
         pages = random.Random(1).sample(range(32), 20)
         slots = [k * 8192 for k in range(20)]
-        await c.copy(src, True, geom, pages, slots)
+        sums = await c.copy(src, True, geom, pages, slots)
         mem = np.frombuffer(pool.mm, dtype=np.uint8)
         for i, slot in zip(pages, slots, strict=True):
             assert mem[slot : slot + 6144].tobytes() == expected_page(geom, src.array, i)
+        # Each page's checksum as it entered L2, as the page header keeps it: what L3 will hold it to.
+        assert sums == [xxhash.xxh3_64_intdigest(expected_page(geom, src.array, i)) for i in pages]
         del mem
         dst = SimpleNamespace(kind="host", array=np.zeros(300_000, dtype=np.uint8))
         await c.copy(dst, False, geom, pages, slots)
@@ -67,7 +70,9 @@ async def test_round_trip_through_the_pool(pool):
             assert expected_page(geom, dst.array, i) == expected_page(geom, src.array, i)
         untouched = sorted(set(range(32)) - set(pages))
         assert all(not expected_page(geom, dst.array, i).strip(b"\0") for i in untouched)
-        assert c.progress == 2 and c.stats()["bytes"] == 2 * 20 * 6144
+        assert await c.copy(dst, False, geom, [], []) is None
+        # Jobs: the copy in, its checksums, the copy out; bytes: those copied.
+        assert c.progress == 3 and c.stats()["bytes"] == 2 * 20 * 6144
     finally:
         await asyncio.to_thread(c.close)
 
@@ -91,7 +96,7 @@ async def test_large_request_is_cut_across_threads(pool, monkeypatch):
         geom = Geometry(page, 12, (Segment(0, page, page),))
         src = host_region(12 * page, seed=2)
         await c.copy(src, True, geom, list(range(12)), [k * page for k in range(12)])
-        assert c.progress == 2  # 12 MiB in two jobs of 6 MiB (SPLIT_MIN_BYTES is 4 MiB)
+        assert c.progress == 4  # 12 MiB in two jobs of 6 MiB (SPLIT_MIN_BYTES is 4 MiB), hashed in two
         assert len(seen) == 2 and all(n.startswith("hicached-copy") for n in seen)
         assert bytes(pool.mm[: 12 * page]) == src.array.tobytes()
     finally:
@@ -137,7 +142,7 @@ async def test_the_watchdog_clock_sees_a_job_that_does_not_end(pool, monkeypatch
         assert c.oldest_age() >= 0.15 and c.progress == 0 and c.stats()["jobs_running"] == 1
         release.set()
         await fut
-        assert c.oldest_age() == 0.0 and c.progress == 1
+        assert c.oldest_age() == 0.0 and c.progress == 2  # the copy, then its checksum
     finally:
         release.set()
         await asyncio.to_thread(c.close)

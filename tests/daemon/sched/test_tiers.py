@@ -45,11 +45,11 @@ class FlakyFile(FileConnector):
         super().__init__(cfg)
         self.fail = fail
 
-    async def put(self, namespace, keys, payloads, checksums=None):
+    async def put(self, namespace, keys, payloads, checksums=None, hold=None):
         if self.fail > 0:
             self.fail -= 1
             raise BackendUnavailable(self.name, "injected fault", "injected")
-        return await super().put(namespace, keys, payloads)
+        return await super().put(namespace, keys, payloads, checksums, hold)
 
 
 async def make_tiers(tmp_path, connector="file", **storage):
@@ -153,10 +153,10 @@ class RefusingFile(FileConnector):
         super().__init__(cfg)
         self.full = True
 
-    async def put(self, namespace, keys, payloads, checksums=None):
+    async def put(self, namespace, keys, payloads, checksums=None, hold=None):
         if self.full:
             return [False] * len(keys)
-        return await super().put(namespace, keys, payloads, checksums)
+        return await super().put(namespace, keys, payloads, checksums, hold)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -439,13 +439,13 @@ class CountingFile(FileConnector):
         super().__init__(cfg)
         self.calls: list[tuple[str, int]] = []
 
-    async def put(self, namespace, keys, payloads, checksums=None):
+    async def put(self, namespace, keys, payloads, checksums=None, hold=None):
         self.calls.append(("put", len(keys)))
-        return await super().put(namespace, keys, payloads)
+        return await super().put(namespace, keys, payloads, checksums, hold)
 
-    async def get_into(self, namespace, keys, buffers):
+    async def get_into(self, namespace, keys, buffers, hold=None):
         self.calls.append(("get", len(keys)))
-        return await super().get_into(namespace, keys, buffers)
+        return await super().get_into(namespace, keys, buffers, hold)
 
 
 @pytest.mark.parametrize(
@@ -483,12 +483,12 @@ class SlowFile(FileConnector):
         super().__init__(cfg)
         self.running = self.most = 0
 
-    async def put(self, namespace, keys, payloads, checksums=None):
+    async def put(self, namespace, keys, payloads, checksums=None, hold=None):
         self.running += 1
         self.most = max(self.most, self.running)
         try:
             await asyncio.sleep(0.01)
-            return await super().put(namespace, keys, payloads)
+            return await super().put(namespace, keys, payloads, checksums, hold)
         finally:
             self.running -= 1
 
@@ -863,9 +863,9 @@ async def test_backup_in_flight_to_a_swapped_out_store_is_written_to_the_new_one
     gate = asyncio.Event()
 
     class Slow(FileConnector):
-        async def put(self, namespace, keys, payloads, checksums=None):
+        async def put(self, namespace, keys, payloads, checksums=None, hold=None):
             await gate.wait()
-            return await super().put(namespace, keys, payloads, checksums)
+            return await super().put(namespace, keys, payloads, checksums, hold)
 
     t = await make_tiers(tmp_path, connector=Slow(cfg), backup_defer=0)
     try:
@@ -887,9 +887,9 @@ async def test_prefetch_from_a_swapped_out_store_is_not_taken_for_in_the_new_one
     gate = asyncio.Event()
 
     class Slow(FileConnector):
-        async def get_into(self, namespace, keys, buffers):
+        async def get_into(self, namespace, keys, buffers, hold=None):
             await gate.wait()
-            return await super().get_into(namespace, keys, buffers)
+            return await super().get_into(namespace, keys, buffers, hold)
 
     t = await make_tiers(tmp_path, connector=Slow(cfg_for(tmp_path)))
     try:
