@@ -39,7 +39,7 @@ from .base import (
 
 log = logging.getLogger("hicached.connectors.file")
 
-_PAGEIO_API = 5  # the arguments and answers of hicached.common._pageio that this file was written for
+_PAGEIO_API = 6  # the arguments and answers of hicached.common._pageio that this file was written for
 try:  # the C page I/O (hicached/common/_pageio.c), built by the install where a C compiler is at hand
     from hicached.common import _pageio
 except ImportError:

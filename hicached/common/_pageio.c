@@ -73,7 +73,7 @@ enum {
 };
 
 /* Bumped when a function's arguments change: file.py uses only a build of the sources it was written for. */
-#define API_VERSION 5
+#define API_VERSION 6
 
 #define KEY_MAX_LEN 128 /* hicached/common/keys.py */
 #define NAMESPACE_MAX_LEN 128
@@ -1320,12 +1320,16 @@ done:
 }
 
 PyDoc_STRVAR(copy_ranges_doc,
-             "copy_ranges(pool, region, pool_off, region_off, length, to_pool) -> None\n\n"
+             "copy_ranges(pool, region, pool_off, region_off, length, to_pool[, page_bytes, sums]) -> None\n\n"
              "Copies byte ranges between `region` and `pool` (into the pool with to_pool): range i is\n"
              "region[region_off[i]:+length[i]] <-> pool[pool_off[i]:+length[i]]. The three are int64 arrays\n"
-             "of one length (hicached.geometry.Plan). Every range is checked against both buffers before any\n"
-             "byte moves (IndexError); then one loop with the GIL released, streaming stores into the pool\n"
-             "as copy_pages. The daemon's host copier: a numpy copyto per range costs ~1.5 us.");
+             "of one length (hicached.common.geometry.Plan). Every range is checked against both buffers before\n"
+             "any byte moves (IndexError); then one loop with the GIL released, streaming stores into the pool\n"
+             "as copy_pages. The daemon's host copier: a numpy copyto per range costs ~1.5 us.\n"
+             "With `sums` (into the pool only: a writable buffer of one uint64 a page), the ranges are whole\n"
+             "pages of `page_bytes` in page-major order (a page's segments in order, as Plan makes them), and\n"
+             "each page's xxh3-64 is taken as it is copied, from the source while it is in the CPU cache (one\n"
+             "pass with the copy where a page is one range and the CPU has AVX2).");
 
 static int int64_array(Py_buffer *b, const char *what, Py_ssize_t *n) {
     if (b->len % 8 != 0 || (b->itemsize != 8 && b->itemsize != 1)) {
@@ -1340,16 +1344,74 @@ static int int64_array(Py_buffer *b, const char *what, Py_ssize_t *n) {
     return 0;
 }
 
+#define HASH_CHUNK (64 << 10) /* copied then hashed while the source is still in the L2 cache */
+
+/* The copy of copy_ranges with `sums`: each page's xxh3-64 taken as its bytes are copied. 0, or -1 when the
+   ranges do not make whole pages (nothing is hashed past that). */
+static int copy_hashing(stream_fn fn, char *pool, const char *region, const int64_t *pool_off,
+                        const int64_t *region_off, const int64_t *length, Py_ssize_t n, size_t page_bytes,
+                        uint64_t *sum, Py_ssize_t pages) {
+    XXH3_state_t state;
+    XXH3_INITSTATE(&state);
+    XXH3_64bits_reset(&state);
+    size_t in_page = 0;
+    Py_ssize_t page = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *p = pool + pool_off[i];
+        const char *r = region + region_off[i];
+        size_t k = (size_t)length[i];
+        while (k > 0) {
+            if (page >= pages) return -1;
+#if defined(__x86_64__)
+            if (in_page == 0 && k >= page_bytes && fn == pageio_stream_avx2) { /* a whole page in one range */
+                sum[page++] = pageio_copy_hash_avx2(p, r, page_bytes);
+                p += page_bytes, r += page_bytes, k -= page_bytes;
+                continue;
+            }
+#endif
+            size_t take = page_bytes - in_page < k ? page_bytes - in_page : k;
+            if (take > HASH_CHUNK) take = HASH_CHUNK;
+            if (fn != NULL && take >= STREAM_MIN_BYTES)
+                copy_streaming(fn, p, r, take);
+            else
+                memcpy(p, r, take);
+            XXH3_64bits_update(&state, r, take);
+            in_page += take;
+            if (in_page == page_bytes) {
+                sum[page++] = XXH3_64bits_digest(&state);
+                XXH3_64bits_reset(&state);
+                in_page = 0;
+            }
+            p += take, r += take, k -= take;
+        }
+    }
+    return in_page == 0 && page == pages ? 0 : -1;
+}
+
 static PyObject *copy_ranges(PyObject *self, PyObject *args) {
-    PyObject *pool_obj, *region_obj;
-    Py_buffer pool = {0}, region = {0}, po = {0}, ro = {0}, ln = {0};
+    PyObject *pool_obj, *region_obj, *sums_obj = Py_None;
+    Py_buffer pool = {0}, region = {0}, po = {0}, ro = {0}, ln = {0}, sums = {0};
+    Py_ssize_t page_bytes = 0;
     int to_pool;
-    if (!PyArg_ParseTuple(args, "OOy*y*y*p", &pool_obj, &region_obj, &po, &ro, &ln, &to_pool)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOy*y*y*p|nO", &pool_obj, &region_obj, &po, &ro, &ln, &to_pool, &page_bytes,
+                          &sums_obj))
+        return NULL;
     PyObject *out = NULL;
     Py_ssize_t n = -1;
     if (int64_array(&po, "pool_off", &n) < 0 || int64_array(&ro, "region_off", &n) < 0 ||
         int64_array(&ln, "length", &n) < 0)
         goto done;
+    if (sums_obj != Py_None) {
+        if (!to_pool || page_bytes <= 0) {
+            PyErr_SetString(PyExc_ValueError, "sums are taken of whole pages copied into the pool");
+            goto done;
+        }
+        if (PyObject_GetBuffer(sums_obj, &sums, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (sums.len % 8 != 0) {
+            PyErr_SetString(PyExc_ValueError, "sums must be a buffer of uint64");
+            goto done;
+        }
+    }
     if (PyObject_GetBuffer(pool_obj, &pool, (to_pool ? PyBUF_WRITABLE : PyBUF_SIMPLE) | PyBUF_C_CONTIGUOUS) < 0 ||
         PyObject_GetBuffer(region_obj, &region, (to_pool ? PyBUF_SIMPLE : PyBUF_WRITABLE) | PyBUF_C_CONTIGUOUS) < 0)
         goto done;
@@ -1364,24 +1426,35 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
         }
     }
     stream_fn fn = to_pool ? stream_copy : NULL;
+    int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char *p = (char *)pool.buf + pool_off[i], *r = (char *)region.buf + region_off[i];
-        size_t k = (size_t)length[i];
-        if (!to_pool)
-            memcpy(r, p, k);
-        else if (fn != NULL && k >= STREAM_MIN_BYTES)
-            copy_streaming(fn, p, r, k);
-        else
-            memcpy(p, r, k);
+    if (sums.obj != NULL) {
+        bad = copy_hashing(fn, pool.buf, region.buf, pool_off, region_off, length, n, (size_t)page_bytes, sums.buf,
+                           sums.len / 8);
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            char *p = (char *)pool.buf + pool_off[i], *r = (char *)region.buf + region_off[i];
+            size_t k = (size_t)length[i];
+            if (!to_pool)
+                memcpy(r, p, k);
+            else if (fn != NULL && k >= STREAM_MIN_BYTES)
+                copy_streaming(fn, p, r, k);
+            else
+                memcpy(p, r, k);
+        }
     }
     if (fn != NULL) stream_fence();
     Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "the ranges do not make %zd whole pages of %zd bytes", sums.len / 8, page_bytes);
+        goto done;
+    }
     out = Py_None;
     Py_INCREF(out);
 done:
     if (pool.obj != NULL) PyBuffer_Release(&pool);
     if (region.obj != NULL) PyBuffer_Release(&region);
+    if (sums.obj != NULL) PyBuffer_Release(&sums);
     PyBuffer_Release(&po);
     PyBuffer_Release(&ro);
     PyBuffer_Release(&ln);

@@ -24,9 +24,14 @@ from hicached.daemon.l2.pool import Pool
 from hicached.daemon.regions.jobs import Batch, Tracker
 
 try:  # the compiled part (setup.py); without it, ranges are copied with numpy
+    from hicached.common import _pageio
     from hicached.common._pageio import copy_ranges as _copy_ranges
+
+    # Checksums taken in the copy itself from API 6 on; an older build copies, and the pages are hashed after.
+    _COPY_HASHES = getattr(_pageio, "API", 0) >= 6
 except ImportError:
     _copy_ranges = None
+    _COPY_HASHES = False
 
 
 log = logging.getLogger("hicached.copier")
@@ -52,14 +57,47 @@ def _rows(buf: np.ndarray, offs: np.ndarray, length: int) -> tuple[np.ndarray, n
     return np.lib.stride_tricks.as_strided(buf, (nrows, length), (g, 1)), offs // g
 
 
-def copy_ranges(pool: np.ndarray, region: np.ndarray, p: Plan, to_pool: bool) -> None:
+def copy_ranges(
+    pool: np.ndarray, region: np.ndarray, p: Plan, to_pool: bool, sums: tuple[int, np.ndarray] | None = None
+) -> None:
     """Copy the plan's ranges between `pool` and `region` (1-D uint8 arrays); on a copy thread. In one C
     call with the GIL released where hicached.common._pageio is built (streaming stores into the pool, ~20 ns
-    a range), else with numpy."""
+    a range), else with numpy. With `sums` (page_bytes, a uint64 array of one item a page), the plan is of
+    whole pages, page-major, and each page's xxh3-64 is taken as it is copied (in C, from the source while
+    it is in the cache) or right after (numpy path, from the slots)."""
     if _copy_ranges is not None:
         offs = (np.ascontiguousarray(a, dtype=np.int64) for a in (p.pool_off, p.region_off, p.length))
+        if sums is not None and _COPY_HASHES:
+            _copy_ranges(pool, region, *offs, to_pool, *sums)
+            return
         _copy_ranges(pool, region, *offs, to_pool)
+        if sums is not None:
+            _hash_pages(pool, p, *sums)
         return
+    _copy_ranges_numpy(pool, region, p, to_pool)
+    if sums is not None:
+        _hash_pages(pool, p, *sums)
+
+
+def _hash_pages(pool: np.ndarray, p: Plan, page_bytes: int, sums: np.ndarray) -> None:
+    """Each page's xxh3-64 from the slots a page-major plan of whole pages filled (xxh3 drops the GIL)."""
+    within = 0
+    page = 0
+    for q, n in zip(p.pool_off.tolist(), p.length.tolist(), strict=True):
+        while n:
+            if within == 0:
+                start = q
+            take = min(n, page_bytes - within)
+            within += take
+            q += take
+            n -= take
+            if within == page_bytes:
+                sums[page] = xxhash.xxh3_64_intdigest(pool[start : start + page_bytes])
+                page += 1
+                within = 0
+
+
+def _copy_ranges_numpy(pool: np.ndarray, region: np.ndarray, p: Plan, to_pool: bool) -> None:
     small = p.length <= GATHER_MAX_BYTES
     if small.sum() >= GATHER_MIN_RANGES:
         for length in np.unique(p.length[small]).tolist():
@@ -82,6 +120,16 @@ def copy_ranges(pool: np.ndarray, region: np.ndarray, p: Plan, to_pool: bool) ->
     else:
         for r, q, n in zip(r_off, p_off, lens, strict=True):
             np.copyto(region[r : r + n], pool[q : q + n])
+
+
+def _settle(out: asyncio.Future[list[int] | None], done: asyncio.Future[None], sums: np.ndarray) -> None:
+    """`out` takes the outcome of `done`: its error, or the checksums its jobs took."""
+    if out.done():
+        return
+    if done.exception() is not None:
+        out.set_exception(done.exception())
+    else:
+        out.set_result(sums.tolist())
 
 
 class Copier:
@@ -121,54 +169,56 @@ class Copier:
         self, region: Any, to_pool: bool, geom: Geometry, pages: list[int], slots: list[int]
     ) -> asyncio.Future[list[int] | None]:
         """Copy pages `pages` of `region` into (or, with to_pool False, out of) the slots at `slots`. Into
-        the pool, the future's result is each slot's checksum (xxh3-64, as a page header keeps it), taken
-        once the copy ended: what the page's bytes must hash to from the moment it enters L2."""
+        the pool, the future's result is each page's checksum (xxh3-64, as a page header keeps it), taken
+        as it is copied: what the page's bytes must hash to from the moment it enters L2."""
         loop = asyncio.get_running_loop()
         self.requests += 1
         if region.kind == "cuda":
             batch = Batch(loop, 1)
             self.cuda().copy(region, to_pool, geom, pages, slots, batch)
-        else:
+            return self._checksums(batch.future, slots, geom.page_bytes) if to_pool else batch.future
+        if not to_pool:
             jobs = split(plan(geom, pages, slots), self.threads, SPLIT_MIN_BYTES) if pages else []
             batch = Batch(loop, len(jobs))
             if not jobs:
                 batch.future.set_result(None)
             for job in jobs:
-                self._host.submit(self._host_job, batch, region.array, to_pool, job)
-        return self._checksums(batch.future, slots, geom.page_bytes) if to_pool else batch.future
+                self._host.submit(self._host_job, batch, region.array, False, job)
+            return batch.future
+        # Into the pool: whole pages a job, so that each job takes its pages' checksums as it copies them.
+        n = len(pages)
+        parts = max(1, min(self.threads, n, n * geom.page_bytes // SPLIT_MIN_BYTES))
+        cuts = [slice(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+        sums = np.zeros(n, dtype=np.uint64)
+        batch = Batch(loop, len(cuts))
+        for cut in cuts:
+            job = plan(geom, pages[cut], slots[cut])
+            self._host.submit(self._host_job, batch, region.array, True, job, (geom.page_bytes, sums[cut]))
+        out: asyncio.Future[list[int] | None] = loop.create_future()
+        batch.future.add_done_callback(lambda f: _settle(out, f, sums))
+        return out
 
     def _checksums(
         self, copied: asyncio.Future[None], slots: list[int], size: int
     ) -> asyncio.Future[list[int] | None]:
-        """`copied`, followed by the checksums of the slots it filled, hashed on the copy threads (xxh3
-        drops the GIL), a share each; its error if it failed."""
+        """`copied` (a CUDA copy into the pool), followed by the checksums of the slots it filled, hashed on
+        the copy threads once it ended (xxh3 drops the GIL)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Future[list[int] | None] = loop.create_future()
-        parts = max(1, min(self.threads, len(slots), len(slots) * size // SPLIT_MIN_BYTES))
-        groups = [slots[i * len(slots) // parts : (i + 1) * len(slots) // parts] for i in range(parts)]
-        sums: list[list[int]] = [[] for _ in groups]
-        batch = Batch(loop, parts)
-
-        def hashed(f: asyncio.Future[None]) -> None:
-            if out.done():
-                return
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-            else:
-                out.set_result([s for group in sums for s in group])
+        sums = np.zeros(len(slots), dtype=np.uint64)
+        batch = Batch(loop, 1)
 
         def after_copy(f: asyncio.Future[None]) -> None:
             if f.exception() is not None:
                 out.set_exception(f.exception())
                 return
-            batch.future.add_done_callback(hashed)
-            for i, group in enumerate(groups):
-                self._host.submit(self._hash_job, batch, group, size, sums, i)
+            batch.future.add_done_callback(lambda h: _settle(out, h, sums))
+            self._host.submit(self._hash_job, batch, slots, size, sums)
 
         copied.add_done_callback(after_copy)
         return out
 
-    def _hash_job(self, batch: Batch, slots: list[int], size: int, sums: list[list[int]], i: int) -> None:
+    def _hash_job(self, batch: Batch, slots: list[int], size: int, sums: np.ndarray) -> None:
         """On a copy thread."""
         pool = self._pool_arr
         jid = self.tracker.start()
@@ -176,13 +226,21 @@ class Copier:
         try:
             if pool is None:
                 raise RuntimeError("the copier is closed")
-            sums[i] = [xxhash.xxh3_64_intdigest(pool[o : o + size]) for o in slots]
+            for i, o in enumerate(slots):
+                sums[i] = xxhash.xxh3_64_intdigest(pool[o : o + size])
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         self.tracker.end(jid, 0, error is None)  # bytes: those copied; this job copies none
         batch.job_done(error)
 
-    def _host_job(self, batch: Batch, region: np.ndarray, to_pool: bool, p: Plan) -> None:
+    def _host_job(
+        self,
+        batch: Batch,
+        region: np.ndarray,
+        to_pool: bool,
+        p: Plan,
+        sums: tuple[int, np.ndarray] | None = None,
+    ) -> None:
         """On a copy thread."""
         pool = self._pool_arr
         jid = self.tracker.start()
@@ -190,7 +248,7 @@ class Copier:
         try:
             if pool is None:
                 raise RuntimeError("the copier is closed")
-            copy_ranges(pool, region, p, to_pool)
+            copy_ranges(pool, region, p, to_pool, sums)
         except Exception as e:
             # A string, not the exception: its traceback would keep views of the region alive, and the
             # region could not be unmapped.
