@@ -69,6 +69,14 @@ class _PagePacking:
         out.append(buf)
         return out
 
+    @property
+    def is_connected(self) -> bool:
+        """Connected, and the socket not closed under us meanwhile: a pooled connection the peer reset or
+        closed while it sat idle is dialled again when it is next used, inside the call, instead of failing
+        it (a cluster node's pool lends connections without checking them)."""
+        writer = getattr(self, "_writer", None)
+        return super().is_connected and not writer.transport.is_closing()  # type: ignore[misc]
+
     async def disconnect(self, nowait: bool = False, **kwargs: Any) -> None:
         """redis-py disconnects with nowait after an error or a cancellation (a time-out) in the middle of
         a command. A graceful close would still send what the transport holds: the rest of a page, read
@@ -195,7 +203,10 @@ class RedisConnector(Connector):
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            if isinstance(client, RedisCluster):
+                await client.aclose()
+            else:  # the pool is ours (built in _make_client): the client closes it only when told to
+                await client.aclose(close_connection_pool=True)
         self._copier.shutdown(wait=False)
 
     def _where(self) -> str:
