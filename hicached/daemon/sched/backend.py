@@ -161,7 +161,7 @@ class Backend:
                 await conn.start()
                 await conn.probe(timeout=self.cfg.storage.operation_timeout)
             except BaseException:
-                await conn.close()
+                await _close(conn)
                 raise
             return conn
 
@@ -183,7 +183,7 @@ class Backend:
                 continue
             if self.tripped is not token or self.current is not None:
                 if conn is not token:
-                    await conn.close()
+                    await _close(conn)
                 return
             log.info("L3 backend %s answers; attached", conn.name)
             self.tripped = None
@@ -207,7 +207,7 @@ class Backend:
             try:
                 await new.probe(timeout=self.cfg.storage.operation_timeout)
             except BaseException:
-                await new.close()
+                await _close(new)
                 raise
         old = self.current or (self.tripped if isinstance(self.tripped, Connector) else None)
         await self._stop_probing()
@@ -236,13 +236,13 @@ class Backend:
                     self._inflight.get(key, 0),
                     self.cfg.storage.drain_timeout,
                 )
-        await old.close()
+        await _close(old)
 
     async def close(self) -> None:
         tripped = self.tripped if isinstance(self.tripped, Connector) else None
         await self._stop_probing()
         if tripped is not None:
-            await tripped.close()
+            await _close(tripped)
         old, self.current = self.current, None
         if old is not None:
             await self._drain_and_close(old)
@@ -254,3 +254,12 @@ class Backend:
             "inflight": sum(self._inflight.values()),
             "counters": dict(self.current.counters) if self.current else {},
         }
+
+
+async def _close(conn: Connector) -> None:
+    """Closes a connector that is being let go: a failure to close it is logged, never raised over what the
+    caller is doing (a swap, a detach, a shutdown)."""
+    try:
+        await conn.close()
+    except Exception:
+        log.warning("closing backend %s failed; it is dropped anyway", conn.name, exc_info=True)
