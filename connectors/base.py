@@ -167,6 +167,17 @@ class Connector(abc.ABC):
     async def exists(self, namespace: str, keys: Sequence[str]) -> int:
         """How many leading keys are present; the first absent key ends the answer."""
 
+    async def present(self, namespace: str, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present, holes and all. This default asks `exists` for the leading run from
+        each hole on: one call per hole, plus one."""
+        out = [False] * len(keys)
+        i = 0
+        while i < len(keys):
+            n = await self.exists(namespace, keys[i:])
+            out[i : i + n] = [True] * n
+            i += n + 1
+        return out
+
     @abc.abstractmethod
     async def delete(self, namespace: str, keys: Sequence[str]) -> int:
         """Removes the keys; returns how many existed."""

@@ -369,6 +369,12 @@ class RedisConnector(Connector):
 
         return await self._call(run)
 
+    async def present(self, namespace: str, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        results = await self._pipeline([("EXISTS", self._key(namespace, k)) for k in keys])
+        return [not isinstance(r, Exception) and bool(r) for r in results]
+
     async def delete(self, namespace: str, keys: Sequence[str]) -> int:
         if not keys:
             return 0

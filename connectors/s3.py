@@ -300,6 +300,9 @@ class S3Connector(Connector):
 
         return await self._call(run)
 
+    async def present(self, namespace: str, keys: Sequence[str]) -> list[bool]:
+        return await self._each(lambda k, _: self._head(namespace, k), keys, keys)
+
     async def delete(self, namespace: str, keys: Sequence[str]) -> int:
         # S3 answers a DELETE alike whether the object existed or not; a HEAD first tells which did.
         # DeleteObjects would save requests but requires a checksum header some compatible stores reject.

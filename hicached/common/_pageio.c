@@ -32,6 +32,7 @@
 #include <string.h>
 #include <pthread.h>
 #include <sched.h>
+#include <setjmp.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
@@ -1320,7 +1321,7 @@ done:
 }
 
 PyDoc_STRVAR(copy_ranges_doc,
-             "copy_ranges(pool, region, pool_off, region_off, length, to_pool[, page_bytes, sums]) -> None\n\n"
+             "copy_ranges(pool, region, pool_off, region_off, length, to_pool[, page_bytes, sums, guard]) -> None\n\n"
              "Copies byte ranges between `region` and `pool` (into the pool with to_pool): range i is\n"
              "region[region_off[i]:+length[i]] <-> pool[pool_off[i]:+length[i]]. The three are int64 arrays\n"
              "of one length (hicached.common.geometry.Plan). Every range is checked against both buffers before\n"
@@ -1329,7 +1330,12 @@ PyDoc_STRVAR(copy_ranges_doc,
              "With `sums` (into the pool only: a writable buffer of one uint64 a page), the ranges are whole\n"
              "pages of `page_bytes` in page-major order (a page's segments in order, as Plan makes them), and\n"
              "each page's xxh3-64 is taken as it is copied, from the source while it is in the CPU cache (one\n"
-             "pass with the copy where a page is one range and the CPU has AVX2).");
+             "pass with the copy where a page is one range and the CPU has AVX2).\n"
+             "With `guard` true (page_bytes 0 and sums None when there are no sums), `region` may be memory\n"
+             "whose file shrinks meanwhile: a fault (SIGBUS) inside it ends the copy, which raises\n"
+             "RegionShrunk (an OSError, errno EFAULT) instead of killing the process; whatever of the ranges\n"
+             "was copied by then is undefined. RuntimeError when another SIGBUS handler was installed in\n"
+             "front of the guard's since its first use (a fault would reach that one first).");
 
 static int int64_array(Py_buffer *b, const char *what, Py_ssize_t *n) {
     if (b->len % 8 != 0 || (b->itemsize != 8 && b->itemsize != 1)) {
@@ -1388,13 +1394,167 @@ static int copy_hashing(stream_fn fn, char *pool, const char *region, const int6
     return in_page == 0 && page == pages ? 0 : -1;
 }
 
+/* The loop of copy_ranges, with the GIL released: 0, or -1 as copy_hashing. */
+typedef struct {
+    stream_fn fn;
+    char *pool, *region;
+    const int64_t *pool_off, *region_off, *length;
+    Py_ssize_t n;
+    int to_pool;
+    size_t page_bytes;
+    uint64_t *sum; /* NULL: no sums */
+    Py_ssize_t pages;
+} Ranges;
+
+static int ranges_copy(const Ranges *c) {
+    if (c->sum != NULL)
+        return copy_hashing(c->fn, c->pool, c->region, c->pool_off, c->region_off, c->length, c->n, c->page_bytes,
+                            c->sum, c->pages);
+    for (Py_ssize_t i = 0; i < c->n; i++) {
+        char *p = c->pool + c->pool_off[i], *r = c->region + c->region_off[i];
+        size_t k = (size_t)c->length[i];
+        if (!c->to_pool)
+            memcpy(r, p, k);
+        else if (c->fn != NULL && k >= STREAM_MIN_BYTES)
+            copy_streaming(c->fn, p, r, k);
+        else
+            memcpy(p, r, k);
+    }
+    return 0;
+}
+
+/* Guarded copies. An engine's memory may be a memfd it did not seal: when its file shrinks, the first access
+   past the new end raises SIGBUS, whose default action kills the daemon. A guarded copy_ranges call puts the
+   region's address range and a jump buffer in a slot of its thread; the SIGBUS handler, installed at the
+   first guarded copy in front of whatever handler was there, jumps back into that copy when a fault is on
+   that thread inside that range, and the call raises RegionShrunk. Any other SIGBUS goes on to the handler
+   that was there before, or gets the default action: a real bug still kills the process.
+
+   The slots are a table keyed by thread id, not thread-local storage: the TLS of a dlopen'ed module may be
+   allocated (malloc) on a thread's first use of it, which a signal handler must never cause. The handler
+   does only async-signal-safe things (gettid, loads, siglongjmp; sigaction and raise on the way out), and
+   what it jumps out of holds no lock and touches no Python object: the copy runs with the GIL released,
+   and the call takes the GIL back only after the jump. copy_hashing's hash state lives on the abandoned
+   stack; the sums of a faulted call are not used. */
+#define GUARD_SLOTS 1024 /* threads in a guarded copy at once (the daemon runs regions.copy_threads) */
+
+typedef struct {
+    sigjmp_buf env;
+    const char *lo, *hi;        /* the guarded bytes, widened to whole pages */
+    const char *volatile fault; /* set by the handler: where the fault was */
+    volatile sig_atomic_t armed;
+} Guard;
+
+typedef struct {
+    pid_t tid; /* the thread in a guarded copy; 0: free */
+    Guard *guard;
+} GuardSlot;
+
+static GuardSlot guard_slots[GUARD_SLOTS];
+static struct sigaction guard_prev; /* the SIGBUS action before ours: faults that are not ours go there */
+static int guard_installed;         /* with the GIL */
+static size_t page_size = 4096;     /* sysconf's, at import */
+static PyObject *RegionShrunk;
+
+static void guard_on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    int saved_errno = errno;
+    if (info != NULL && info->si_code > 0) { /* a fault the kernel raised, not a signal a process sent */
+        pid_t tid = (pid_t)syscall(SYS_gettid);
+        const char *addr = info->si_addr;
+        for (size_t i = 0; i < GUARD_SLOTS; i++) {
+            if (__atomic_load_n(&guard_slots[i].tid, __ATOMIC_ACQUIRE) != tid) continue;
+            Guard *g = __atomic_load_n(&guard_slots[i].guard, __ATOMIC_ACQUIRE);
+            if (g != NULL && g->armed && addr >= g->lo && addr < g->hi) {
+                g->armed = 0;
+                g->fault = addr;
+                siglongjmp(g->env, 1); /* restores the mask sigsetjmp saved: SIGBUS is unblocked again */
+            }
+        }
+    }
+    errno = saved_errno;
+    if (guard_prev.sa_flags & SA_SIGINFO) {
+        guard_prev.sa_sigaction(sig, info, ctx);
+    } else if (guard_prev.sa_handler != SIG_DFL && guard_prev.sa_handler != SIG_IGN) {
+        guard_prev.sa_handler(sig);
+    } else { /* the default action, as if we had never been here: the process dies of SIGBUS */
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        sigaction(sig, &dfl, NULL);
+        raise(sig); /* blocked in here: delivered as the handler returns (a fault would also recur) */
+    }
+}
+
+/* With the GIL: 0 once the handler is in place; -1 with an exception when another handler went in front of
+   ours since we installed it. That one would see a guarded fault first (Python's faulthandler would print a
+   fatal error, then re-raise it as a signal we cannot place), so the copy is refused rather than risked. A
+   handler that was taken away (SIG_DFL or SIG_IGN now: faulthandler.disable() restores what it found) is
+   put back, with nothing to chain to. */
+static int guard_ready(void) {
+    struct sigaction cur;
+    if (sigaction(SIGBUS, NULL, &cur) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == guard_on_sigbus) return 0;
+    int plain = !(cur.sa_flags & SA_SIGINFO) && (cur.sa_handler == SIG_DFL || cur.sa_handler == SIG_IGN);
+    if (guard_installed && !plain) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "another SIGBUS handler was installed in front of the one that guarded copies need; a "
+                        "fault in memory that shrank would reach it first, so guarded copies are refused");
+        return -1;
+    }
+    struct sigaction act;
+    memset(&act, 0, sizeof act);
+    act.sa_sigaction = guard_on_sigbus;
+    act.sa_flags = SA_SIGINFO;
+    sigemptyset(&act.sa_mask);
+    if (sigaction(SIGBUS, &act, &guard_prev) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    guard_installed = 1;
+    return 0;
+}
+
+static GuardSlot *guard_claim(Guard *g) {
+    pid_t tid = (pid_t)syscall(SYS_gettid);
+    for (size_t i = 0; i < GUARD_SLOTS; i++) {
+        pid_t none = 0;
+        if (__atomic_compare_exchange_n(&guard_slots[i].tid, &none, tid, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            __atomic_store_n(&guard_slots[i].guard, g, __ATOMIC_RELEASE);
+            return &guard_slots[i];
+        }
+    }
+    return NULL;
+}
+
+static void guard_release(GuardSlot *slot) {
+    __atomic_store_n(&slot->guard, NULL, __ATOMIC_RELEASE);
+    __atomic_store_n(&slot->tid, 0, __ATOMIC_RELEASE);
+}
+
+/* ranges_copy(c) under guard `g`, its slot claimed: 1 when a fault in the guarded range ended it (g->fault
+   says where), else 0 with *bad as ranges_copy answered. sigsetjmp is here so that its frame outlives the
+   copy; nothing this frame changes after it is read after the jump. */
+static int ranges_copy_guarded(const Ranges *c, Guard *g, int *bad) {
+    if (sigsetjmp(g->env, 1) != 0) return 1;
+    g->armed = 1;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    *bad = ranges_copy(c);
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    g->armed = 0;
+    return 0;
+}
+
 static PyObject *copy_ranges(PyObject *self, PyObject *args) {
     PyObject *pool_obj, *region_obj, *sums_obj = Py_None;
     Py_buffer pool = {0}, region = {0}, po = {0}, ro = {0}, ln = {0}, sums = {0};
     Py_ssize_t page_bytes = 0;
-    int to_pool;
-    if (!PyArg_ParseTuple(args, "OOy*y*y*p|nO", &pool_obj, &region_obj, &po, &ro, &ln, &to_pool, &page_bytes,
-                          &sums_obj))
+    int to_pool, guard = 0;
+    if (!PyArg_ParseTuple(args, "OOy*y*y*p|nOp", &pool_obj, &region_obj, &po, &ro, &ln, &to_pool, &page_bytes,
+                          &sums_obj, &guard))
         return NULL;
     PyObject *out = NULL;
     Py_ssize_t n = -1;
@@ -1425,26 +1585,45 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    if (guard && guard_ready() < 0) goto done;
     stream_fn fn = to_pool ? stream_copy : NULL;
-    int bad = 0;
+    Ranges c = {fn, pool.buf, region.buf, pool_off, region_off, length, n, to_pool, (size_t)page_bytes,
+                sums.obj != NULL ? sums.buf : NULL, sums.len / 8};
+    Guard g = {.fault = NULL, .armed = 0};
+    int bad = 0, faulted = 0, no_slot = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (sums.obj != NULL) {
-        bad = copy_hashing(fn, pool.buf, region.buf, pool_off, region_off, length, n, (size_t)page_bytes, sums.buf,
-                           sums.len / 8);
+    if (!guard) {
+        bad = ranges_copy(&c);
     } else {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            char *p = (char *)pool.buf + pool_off[i], *r = (char *)region.buf + region_off[i];
-            size_t k = (size_t)length[i];
-            if (!to_pool)
-                memcpy(r, p, k);
-            else if (fn != NULL && k >= STREAM_MIN_BYTES)
-                copy_streaming(fn, p, r, k);
-            else
-                memcpy(p, r, k);
+        uintptr_t lo = (uintptr_t)region.buf, hi = lo + (uintptr_t)region.len;
+        g.lo = (const char *)(lo - lo % page_size);
+        g.hi = (const char *)(hi + (page_size - hi % page_size) % page_size); /* pages of the same mapping */
+        GuardSlot *slot = guard_claim(&g);
+        if (slot == NULL) {
+            no_slot = 1;
+        } else {
+            faulted = ranges_copy_guarded(&c, &g, &bad);
+            guard_release(slot);
         }
     }
-    if (fn != NULL) stream_fence();
+    if (fn != NULL) stream_fence(); /* after a fault too: the stores made before it */
     Py_END_ALLOW_THREADS
+    if (no_slot) {
+        PyErr_Format(PyExc_RuntimeError, "more than %d threads in guarded copies at once", GUARD_SLOTS);
+        goto done;
+    }
+    if (faulted) {
+        Py_ssize_t at = g.fault - (const char *)region.buf;
+        PyObject *e = Py_BuildValue("(iN)", EFAULT,
+                                    PyUnicode_FromFormat("the region's memory is gone from byte %zd of its %zd: its "
+                                                         "file shrank under the mapping (SIGBUS)",
+                                                         at < 0 ? 0 : at, region.len));
+        if (e != NULL) {
+            PyErr_SetObject(RegionShrunk, e);
+            Py_DECREF(e);
+        }
+        goto done;
+    }
     if (bad) {
         PyErr_Format(PyExc_ValueError, "the ranges do not make %zd whole pages of %zd bytes", sums.len / 8, page_bytes);
         goto done;
@@ -1481,6 +1660,17 @@ PyMODINIT_FUNC PyInit__pageio(void) {
     stream_copy = stream_lookup(stream_default());
     snprintf(stream_name, sizeof stream_name, "%s", stream_copy ? stream_default() : "");
     if (PyType_Ready(&EngineType) < 0 || PyModule_AddObjectRef(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    long pagesize = sysconf(_SC_PAGESIZE);
+    if (pagesize > 0) page_size = (size_t)pagesize;
+    if (RegionShrunk == NULL)
+        RegionShrunk = PyErr_NewExceptionWithDoc(
+            "hicached.common._pageio.RegionShrunk",
+            "A guarded copy_ranges found the region's memory gone: its file shrank under the mapping.",
+            PyExc_OSError, NULL);
+    if (RegionShrunk == NULL || PyModule_AddObjectRef(m, "RegionShrunk", RegionShrunk) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -13,7 +13,9 @@ DRAINING = "draining"
 BUSY = "busy"
 INTERNAL = "internal"
 CONNECTION = "connection"  # client side only: the daemon went away or the connection broke
-COPY_FAILED = "copy_failed"  # copying pages between an engine's region and L2 failed; nothing was stored
+# Copying pages between an engine's region and L2 failed; nothing was stored. When the region's memory
+# shrank under the daemon, the message says so and the region is dropped (its handle: not_found).
+COPY_FAILED = "copy_failed"
 UNSUPPORTED = "unsupported"  # the daemon cannot do this here (a CUDA region on a daemon without CUDA)
 
 CODES = frozenset(

@@ -1,5 +1,5 @@
-"""Shared memory both sides map: memfds sealed against shrinking, mapped shared and prefaulted. The daemon's
-L2 pool and an engine's shared buffers are both made of these."""
+"""Shared memory both sides map: memfds, mapped shared and prefaulted (the daemon's L2 pool and an engine's
+shared buffers, both sealed against shrinking), and what the daemon makes of an fd an engine hands in."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
+from dataclasses import dataclass
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Linux values; Python's mmap module names them only where its build headers had them.
@@ -53,15 +55,62 @@ def _populate(mm: mmap.mmap, size: int, what: str) -> None:
                 view.release()
 
 
-def check_sealed_fd(fd: int, min_size: int) -> int:
-    """Size of a memfd an engine handed in, after checking it cannot shrink under us."""
+@dataclass(frozen=True)
+class EngineMemory:
+    """An fd an engine handed in: what it is, its size, and whether it can shrink under a mapping of it."""
+
+    kind: str  # MEMFD, TMPFS_FILE, FILE, or what else it is ("pipe", "socket", ...)
+    size: int
+    can_shrink: bool
+
+
+# What an fd can be, as inspect_fd tells them apart. Regular files of shared memory other than memfds
+# (tmpfs, /dev/shm) behave as memfds do (a shrink makes a mapping's next access SIGBUS) but are not
+# accepted yet; a file elsewhere can also fault on an I/O error, and is not shared memory.
+MEMFD = "memfd"
+TMPFS_FILE = "tmpfs file"
+FILE = "regular file"
+ACCEPTED = frozenset({MEMFD})  # what an engine may register
+
+
+def inspect_fd(fd: int) -> EngineMemory:
+    """What `fd` is (OSError when it cannot be inspected)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return EngineMemory(_not_a_file(st.st_mode), 0, False)
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # only shared memory (shmem, hugetlbfs) has seals
     except OSError:
-        raise ValueError("memory must be a memfd (this fd cannot carry seals)") from None
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise ValueError("memory must be a memfd sealed with F_SEAL_SHRINK")
-    size = os.fstat(fd).st_size
-    if size < min_size:
-        raise ValueError(f"memory of {size} bytes is smaller than the {min_size} bytes asked for")
-    return size
+        return EngineMemory(FILE, st.st_size, True)
+    can_shrink = not seals & fcntl.F_SEAL_SHRINK
+    # Only a memfd can be sealed (other shared memory is born with F_SEAL_SEAL); an unsealed one is told
+    # from a tmpfs file by its name, "/memfd:NAME (deleted)".
+    if not can_shrink or _link(fd).startswith("/memfd:"):
+        return EngineMemory(MEMFD, st.st_size, can_shrink)
+    return EngineMemory(TMPFS_FILE, st.st_size, can_shrink)
+
+
+def _not_a_file(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "pipe"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return name
+    return "device"
+
+
+def _link(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""  # no /proc: not known to be a memfd
+
+
+def check_region_fd(fd: int, min_size: int) -> EngineMemory:
+    """An fd an engine handed in as a region, after checking that it is memory the daemon accepts and holds
+    at least `min_size` bytes (ValueError otherwise). Whether it can shrink is the caller's business: a
+    copy of memory that can must be guarded."""
+    mem = inspect_fd(fd)
+    if mem.kind not in ACCEPTED:
+        raise ValueError(f"memory must be a memfd; this fd is a {mem.kind}")
+    if mem.size < min_size:
+        raise ValueError(f"memory of {mem.size} bytes is smaller than the {min_size} bytes asked for")
+    return mem

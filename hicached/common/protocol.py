@@ -11,11 +11,13 @@ SCM_RIGHTS. What the peer sends first decides what the connection is:
 
 - an **engine connection** sends frames without fds (hello first), and stays open;
 - a **region-attach connection** sends exactly one frame, `{op: "region_attach", token: <the token of the
-  engine connection the region is for>, kind: "host", ...}`, in the same `sendmsg` as one fd (a memfd
-  sealed with at least F_SEAL_SHRINK, open read-write); the daemon answers `{handle, num_pages, nbytes}`
-  or an error, and closes it. The region belongs to the engine connection and is unregistered when that
-  connection closes. A transport cannot receive fds, so the daemon reads a connection's first bytes on the
-  raw socket; an engine sends hello right away, so this costs it no round trip.
+  engine connection the region is for>, kind: "host", ...}`, in the same `sendmsg` as one fd (a memfd open
+  read-write; one not sealed with F_SEAL_SHRINK may shrink, and a region whose memory shrank is dropped:
+  the copy that found it gone answers copy_failed, its handle not_found); the daemon answers
+  `{handle, num_pages, nbytes}` or an error, and closes it. The region belongs to the engine connection
+  and is unregistered when that connection closes. A transport cannot receive fds, so the daemon reads a
+  connection's first bytes on the raw socket; an engine sends hello right away, so this costs it no round
+  trip.
 
 Stores (after hello): `alloc {keys} -> {status: [ALLOC_*], offsets}` hands out WRITING slots; the client
 copies the pages in and sends `commit {keys} -> {ok: [bool]}` (or `abort {keys}`). `reserve {n} ->

@@ -155,6 +155,10 @@ class Client:
     def exists(self, keys: Sequence[str]) -> int:
         return self._run(self._ops.op_exists(keys))
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is in L2 or L3, holes and all (exists counts the leading ones only)."""
+        return self._run(self._ops.op_present(keys))
+
     def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
         return self._run(self._ops.op_store(keys, pages))
 
@@ -190,9 +194,23 @@ class Client:
         *,
         num_pages: int | None = None,
     ) -> int:
-        """Register engine memory (a tensor from `shared_buffer`, a CUDA tensor, or a sealed memfd's fd)
-        whose pages the daemon copies; `segments` are (offset, length, stride) per page. Returns a handle."""
+        """Register engine memory (a tensor from `shared_buffer`, a CUDA tensor, or a memfd's fd, sealed or
+        not) whose pages the daemon copies; `segments` are (offset, length, stride) per page. Returns a
+        handle. Should an unsealed memfd shrink, its requests fail (copy_failed) and the handle goes."""
         return self._run(self._ops.op_register_region(memory, page_bytes, segments, num_pages))
+
+    def register_local_region(
+        self,
+        memory: Any,
+        page_bytes: int,
+        segments: Sequence[Sequence[int]] | None = None,
+        *,
+        num_pages: int | None = None,
+    ) -> int:
+        """Register memory of this process only (any contiguous CPU tensor or writable buffer) whose pages
+        this client copies between it and the pool itself (hicached.engine.local): store_pages / load_pages
+        as for a region, one copy a page, while the daemon never maps the memory. A negative handle."""
+        return self._run(self._ops.op_register_local(memory, page_bytes, segments, num_pages))
 
     def unregister_region(self, handle: int) -> None:
         self._run(self._ops.op_unregister_region(handle))
@@ -459,6 +477,9 @@ class AsyncClient:
     async def exists(self, keys: Sequence[str]) -> int:
         return await self._run(self._ops.op_exists(keys))
 
+    async def present(self, keys: Sequence[str]) -> list[bool]:
+        return await self._run(self._ops.op_present(keys))
+
     async def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
         return await self._run(self._ops.op_store(keys, pages))
 
@@ -495,6 +516,16 @@ class AsyncClient:
         num_pages: int | None = None,
     ) -> int:
         return await self._run(self._ops.op_register_region(memory, page_bytes, segments, num_pages))
+
+    async def register_local_region(
+        self,
+        memory: Any,
+        page_bytes: int,
+        segments: Sequence[Sequence[int]] | None = None,
+        *,
+        num_pages: int | None = None,
+    ) -> int:
+        return await self._run(self._ops.op_register_local(memory, page_bytes, segments, num_pages))
 
     async def unregister_region(self, handle: int) -> None:
         await self._run(self._ops.op_unregister_region(handle))

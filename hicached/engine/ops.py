@@ -16,9 +16,11 @@ import numpy as np
 import xxhash
 
 from hicached.common import protocol
-from hicached.common.errors import BAD_REQUEST, CONNECTION, HicachedError
+from hicached.common.errors import BAD_REQUEST, CONNECTION, NOT_FOUND, HicachedError
+from hicached.common.geometry import check_pages
 from hicached.common.keys import check_namespace
-from hicached.engine.regions import RegionOps
+from hicached.engine.local import LocalRegion, RegionPage
+from hicached.engine.regions import RegionOps, _indices
 
 try:  # the compiled part (setup.py); without it, pages are copied with numpy, one call per page
     from hicached.common._pageio import copy_pages as _copy_pages
@@ -125,6 +127,7 @@ class _Ops(RegionOps):
         self._pool: np.ndarray | None = None
         self.token = ""
         self.regions: dict[int, Any] = {}
+        self.local: dict[int, LocalRegion] = {}  # local regions, by their handles: -1, -2, ...
         # Offsets of slots the daemon set aside for this connection's next stores (its `reserve`), and how
         # many it lets this connection hold (None: not asked yet). Shared by the threads of one Client.
         self._reserve_lock = threading.Lock()
@@ -171,6 +174,8 @@ class _Ops(RegionOps):
         from now on (the daemon publishes a page in L3 only if they do). None for copies out of it."""
         if self._mm is None:
             raise HicachedError(CONNECTION, "the client is closed")
+        if pages and type(pages[0]) is RegionPage:  # pages of one local region: one plan, one C call
+            return pages[0].region.copy(self._pool, [p.index for p in pages], offsets, into_pool)
         if _copy_pages is not None:
             sums = np.empty(len(offsets), dtype=np.uint64) if into_pool else None
             _copy_pages(self._mm, offsets, self.page_bytes, pages, into_pool, sums)
@@ -191,6 +196,11 @@ class _Ops(RegionOps):
     def op_exists(self, keys: Sequence[str]) -> Op:
         return (yield {"op": "exists", "keys": list(keys)})["n"]
 
+    def op_present(self, keys: Sequence[str]) -> Op:
+        if not keys:
+            return []
+        return [bool(p) for p in (yield {"op": "present", "keys": list(keys)})["present"]]
+
     def op_store(self, keys: Sequence[str], pages: Sequence[Any]) -> Op:
         keys = list(keys)
         if len(keys) != len(pages):
@@ -204,6 +214,10 @@ class _Ops(RegionOps):
             p if type(p) is bytes and len(p) == nbytes else _as_bytes_array(p, nbytes, False, f"page {i}")
             for i, p in enumerate(pages)
         ]
+        return (yield from self._store(keys, srcs))
+
+    def _store(self, keys: list[str], srcs: list[Any]) -> Op:
+        """The store of checked pages (bytes-like, or RegionPage of one local region)."""
         n = len(keys)
         # The first pages go into slots this connection holds ahead (copied at once, bound to their keys by
         # `put`); the rest into slots allocated now, in chunks whose allocations go out in one write so that
@@ -430,6 +444,10 @@ class _Ops(RegionOps):
         if len(keys) != len(buffers):
             raise HicachedError(BAD_REQUEST, f"{len(keys)} keys but {len(buffers)} buffers")
         dsts = [_as_bytes_array(b, self.page_bytes, True, f"buffer {i}") for i, b in enumerate(buffers)]
+        return (yield from self._load(keys, dsts))
+
+    def _load(self, keys: Sequence[str], dsts: list[Any]) -> Op:
+        """The load into checked buffers (byte arrays, or RegionPage of one local region)."""
         if not keys:
             return 0
         ans = yield {"op": "acquire", "keys": list(keys)}
@@ -452,6 +470,47 @@ class _Ops(RegionOps):
             return [self._slot(off).tobytes() for off in ans["offsets"]]
         finally:
             yield _NoReply(op="release", lease=ans["lease"])
+
+    # Local regions: memory of this process that the client copies itself (hicached.engine.local).
+
+    def op_register_local(
+        self, memory: Any, page_bytes: int, segments: Sequence[Sequence[int]] | None, num_pages: int | None
+    ) -> Op:
+        if page_bytes != self.page_bytes:
+            raise HicachedError(
+                BAD_REQUEST, f"a region of {page_bytes}-byte pages on a connection of {self.page_bytes}"
+            )
+        region = LocalRegion(memory, page_bytes, segments, num_pages)
+        handle = -(len(self.local) + 1)
+        while handle in self.local:
+            handle -= 1
+        self.local[handle] = region
+        return handle
+        yield  # a generator like every op: it never needs the daemon
+
+    def op_unregister_region(self, handle: int) -> Op:
+        if isinstance(handle, int) and handle < 0:
+            self.local.pop(handle, None)
+            return None
+        return (yield from super().op_unregister_region(handle))
+
+    def _local_pages(self, handle: int, page_indices: Any, keys: Sequence[str], unique: bool) -> list[Any]:
+        region = self.local.get(handle)
+        if region is None:
+            raise HicachedError(NOT_FOUND, f"no local region {handle} on this client")
+        pages = check_pages(_indices(page_indices), region.geom, len(keys), unique)
+        return [RegionPage(region, i) for i in pages]
+
+    def op_store_pages(self, handle: int, page_indices: Any, keys: Sequence[str]) -> Op:
+        if isinstance(handle, int) and handle < 0:
+            srcs = self._local_pages(handle, page_indices, keys, unique=False)
+            return (yield from self._store(list(keys), srcs)) if keys else []
+        return (yield from super().op_store_pages(handle, page_indices, keys))
+
+    def op_load_pages(self, handle: int, page_indices: Any, keys: Sequence[str]) -> Op:
+        if isinstance(handle, int) and handle < 0:
+            return (yield from self._load(keys, self._local_pages(handle, page_indices, keys, unique=True)))
+        return (yield from super().op_load_pages(handle, page_indices, keys))
 
     def op_prefetch(self, keys: Sequence[str], priority: int) -> Op:
         return (yield {"op": "prefetch", "keys": list(keys), "priority": int(priority)})["handle"]

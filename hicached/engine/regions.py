@@ -102,7 +102,8 @@ def describe(
     memory: Any, page_bytes: int, segments: Sequence[Sequence[int]] | None, num_pages: int | None
 ) -> tuple[dict[str, Any], int | None]:
     """The region_attach fields for `memory` (a tensor from shared_buffer, a CUDA tensor, or the fd of a
-    sealed memfd), and the fd to pass with them (None for CUDA)."""
+    memfd, sealed or not: the daemon guards its copies of one that may shrink), and the fd to pass with
+    them (None for CUDA)."""
     fd: int | None
     fields: dict[str, Any]
     if isinstance(memory, int) and not isinstance(memory, bool):
@@ -126,7 +127,7 @@ def describe(
                 raise HicachedError(
                     BAD_REQUEST,
                     "this CPU tensor is not in shared memory: allocate it with "
-                    "hicached.client.shared_buffer(), or register a sealed memfd's fd",
+                    "hicached.client.shared_buffer(), or register a memfd's fd",
                 )
             fd, offset = found
             fields = {"kind": "host", "offset": offset, "nbytes": nbytes}

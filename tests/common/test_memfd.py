@@ -1,13 +1,15 @@
-"""Memory an engine hands in: memfds sealed against shrinking (hicached.common.memfd)."""
+"""Memory an engine hands in (hicached.common.memfd): memfds, sealed against shrinking or not, told apart
+from tmpfs files, regular files, pipes and sockets."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import socket
 
 import pytest
 
-from hicached.common.memfd import check_sealed_fd
+from hicached.common.memfd import EngineMemory, check_region_fd, inspect_fd
 
 SIZE = 1 << 20
 
@@ -21,19 +23,19 @@ def _memfd(size: int, seals: int = 0, allow_sealing: bool = True) -> int:
     return fd
 
 
-def test_check_sealed_fd_accepts_a_sealed_memfd() -> None:
+def test_a_sealed_memfd_cannot_shrink() -> None:
     fd = _memfd(SIZE, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     try:
-        assert check_sealed_fd(fd, SIZE) == SIZE
-        assert check_sealed_fd(fd, 4096) == SIZE  # the real size, not the one asked for
+        assert check_region_fd(fd, SIZE) == EngineMemory("memfd", SIZE, can_shrink=False)
+        assert check_region_fd(fd, 4096).size == SIZE  # the real size, not the one asked for
     finally:
         os.close(fd)
 
 
-def test_check_sealed_fd_needs_only_the_shrink_seal() -> None:
+def test_the_shrink_seal_alone_is_enough() -> None:
     fd = _memfd(SIZE, fcntl.F_SEAL_SHRINK)
     try:
-        assert check_sealed_fd(fd, SIZE) == SIZE
+        assert not check_region_fd(fd, SIZE).can_shrink
     finally:
         os.close(fd)
 
@@ -43,30 +45,50 @@ def test_check_sealed_fd_needs_only_the_shrink_seal() -> None:
     [(0, True), (fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL, True), (0, False)],
     ids=["unsealed", "grow-only", "sealing-not-allowed"],
 )
-def test_check_sealed_fd_refuses_a_memfd_that_can_shrink(seals: int, allow_sealing: bool) -> None:
+def test_a_memfd_that_can_shrink_is_accepted_as_one(seals: int, allow_sealing: bool) -> None:
     fd = _memfd(SIZE, seals, allow_sealing)
     try:
-        with pytest.raises(ValueError, match="F_SEAL_SHRINK"):
-            check_sealed_fd(fd, SIZE)
+        assert check_region_fd(fd, SIZE) == EngineMemory("memfd", SIZE, can_shrink=True)
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # the same memfd, another open file
+        try:
+            assert inspect_fd(ro) == EngineMemory("memfd", SIZE, can_shrink=True)
+        finally:
+            os.close(ro)
     finally:
         os.close(fd)
 
 
-def test_check_sealed_fd_refuses_a_too_small_memfd() -> None:
+def test_a_too_small_memfd_is_refused() -> None:
     fd = _memfd(SIZE, fcntl.F_SEAL_SHRINK)
     try:
         with pytest.raises(ValueError, match="smaller") as e:
-            check_sealed_fd(fd, SIZE + 1)
+            check_region_fd(fd, SIZE + 1)
         assert str(SIZE) in str(e.value)
     finally:
         os.close(fd)
 
 
-def test_check_sealed_fd_refuses_a_fd_that_is_not_a_memfd() -> None:
+def test_what_is_not_a_memfd_is_refused_and_named(tmp_path) -> None:
     r, w = os.pipe()
+    a, b = socket.socketpair()
+    regular = os.open(tmp_path / "region.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(regular, SIZE)
+    directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    null = os.open("/dev/null", os.O_RDWR)
+    fds = {r: "pipe", a.fileno(): "socket", regular: "regular file", directory: "directory", null: "device"}
+    shm = f"/dev/shm/hicached-test-{os.getpid()}"
+    if os.path.isdir("/dev/shm"):  # shared memory, but not a memfd: a tmpfs file is not accepted (yet)
+        fds[os.open(shm, os.O_RDWR | os.O_CREAT, 0o600)] = "tmpfs file"
+        os.unlink(shm)
     try:
-        with pytest.raises(ValueError):
-            check_sealed_fd(r, 1)
+        for fd, kind in fds.items():
+            assert inspect_fd(fd).kind == kind
+            with pytest.raises(ValueError, match=f"memory must be a memfd; this fd is a {kind}"):
+                check_region_fd(fd, 1)
     finally:
-        os.close(r)
+        for fd in fds:
+            if fd != a.fileno():
+                os.close(fd)
         os.close(w)
+        a.close()
+        b.close()

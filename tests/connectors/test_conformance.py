@@ -77,6 +77,16 @@ async def test_a_page_is_published_only_if_its_bytes_hash_to_its_checksum(backen
         assert not conn.counters["corrupt.checksum"]
 
 
+async def test_present_answers_each_key(backend) -> None:
+    keys = [key(i) for i in range(10)]
+    here = [1, 2, 5, 9]
+    async with backend.connector() as conn:
+        assert all(await conn.put(NS, [keys[i] for i in here], [page(i, 4 * KiB) for i in here]))
+        assert await conn.present(NS, keys) == [i in here for i in range(10)]
+        assert await conn.present(NS, []) == []
+        assert await conn.present("another-namespace", keys[:3]) == [False] * 3
+
+
 async def test_exists_counts_the_leading_prefix(backend) -> None:
     n, hole = 270, 260  # past the width of one batch of checks in every backend
     present = [key(i) for i in range(n) if i != hole]

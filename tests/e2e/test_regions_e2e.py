@@ -1,7 +1,8 @@
 """Engine memory regions through the real daemon (a subprocess): pages stored from one region come back,
 after a restart, into another; segmented layouts (K and V halves, per-layer slices) round trip and mix with
-the plain client; bad geometry is refused; fds that could shrink are refused; a client killed while it
-holds regions leaves nothing mapped. The CUDA variants need a GPU and skip without one."""
+the plain client; bad geometry is refused; fds that are not memfds are refused (memfds that can shrink
+are not: tests/e2e/test_shrinking_region_e2e.py); a client killed while it holds regions leaves nothing
+mapped. The CUDA variants need a GPU and skip without one."""
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def test_bad_geometry_and_page_indices_are_bad_requests(daemon):
     assert daemon.alive
 
 
-def test_fds_that_can_shrink_or_are_not_shared_memory_are_refused(daemon, tmp_path):
+def test_fds_that_are_not_memfds_are_refused(daemon, tmp_path):
     def memfd(seals: int, allow: bool = True) -> int:
         fd = os.memfd_create("e2e-unsealed", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if allow else 0))
         os.ftruncate(fd, 4 * PAGE)
@@ -169,9 +170,8 @@ def test_fds_that_can_shrink_or_are_not_shared_memory_are_refused(daemon, tmp_pa
     regular.write_bytes(bytes(4 * PAGE))
     r, w = os.pipe()
     sealed = memfd(SEALS)
+    unsealed = [memfd(0, allow=False), memfd(fcntl.F_SEAL_GROW)]  # they can shrink: accepted, copied guarded
     fds = {
-        "memfd without seals": (memfd(0, allow=False), "sealed with F_SEAL_SHRINK"),
-        "memfd sealed against growth only": (memfd(fcntl.F_SEAL_GROW), "sealed with F_SEAL_SHRINK"),
         "regular file": (os.open(regular, os.O_RDWR), "must be a memfd"),
         "pipe": (r, "region refused"),
         "read-only memfd": (os.open(f"/proc/self/fd/{sealed}", os.O_RDONLY), "cannot map it read-write"),
@@ -180,7 +180,7 @@ def test_fds_that_can_shrink_or_are_not_shared_memory_are_refused(daemon, tmp_pa
         shm = os.open(f"/dev/shm/hicached-e2e-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(shm, 4 * PAGE)
         os.unlink(f"/dev/shm/hicached-e2e-{os.getpid()}")
-        fds["/dev/shm file"] = (shm, "region refused")
+        fds["/dev/shm file"] = (shm, "this fd is a tmpfs file")
     try:
         with Client(daemon.socket, "fds.ns", PAGE) as c:
             for name, (fd, needle) in fds.items():
@@ -189,8 +189,13 @@ def test_fds_that_can_shrink_or_are_not_shared_memory_are_refused(daemon, tmp_pa
                 assert e.value.code == "bad_request" and needle in e.value.message, (name, e.value.message)
             assert c.stats()["regions"]["count"] == 0
             assert c.register_region(sealed, PAGE) > 0  # the same memory, sealed and read-write
+            for fd in unsealed:
+                h = c.register_region(fd, PAGE)
+                assert c.store_pages(h, [3], [f"{fd:064x}"]) == [True]
     finally:
         for fd, _ in fds.values():
+            os.close(fd)
+        for fd in unsealed:
             os.close(fd)
         os.close(w)
         os.close(sealed)

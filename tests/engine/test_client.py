@@ -666,3 +666,29 @@ def test_load_timed_out_releases_the_lease_that_comes_later(threaded_daemon, mon
         assert c.exists(keys) == 4  # its answer, read by this call's reader, gives the late lease back
         time.sleep(0.1)
         assert c.stats()["pool"]["leased"] == 0
+
+
+async def test_present_answers_each_key_holes_and_all_from_l2_then_l3(tmp_path):
+    keys = [f"pres{i}" for i in range(8)]
+    stored = [0, 2, 3, 6]
+    d = Daemon(daemon_cfg(tmp_path))
+    await d.startup()
+    try:
+        async with AsyncClient(d.server.path, "present.ns", PAGE) as c:
+            assert await c.store([keys[i] for i in stored], [os.urandom(PAGE) for _ in stored]) == [True] * 4
+            want = [i in stored for i in range(8)]
+            assert await c.present(keys) == want
+            assert await c.exists(keys) == 1  # the leading run only
+            assert await c.present([]) == []
+            assert await d.tiers.backup.drain(30)
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+    d = Daemon(daemon_cfg(tmp_path))  # L2 empty: the answer comes from L3
+    await d.startup()
+    try:
+        async with AsyncClient(d.server.path, "present.ns", PAGE) as c:
+            assert await c.present(keys) == want
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()

@@ -1,5 +1,5 @@
 """The engine-side region helpers without a daemon: shared_buffer's sealed memfd and its lifetime, and how
-a tensor or an fd becomes region_attach fields."""
+a tensor or an fd (sealed or not) becomes region_attach fields."""
 
 from __future__ import annotations
 
@@ -76,6 +76,29 @@ def test_describe_segments_and_fds():
     with pytest.raises(HicachedError) as e:
         describe(fd, PAGE, None, None)
     assert e.value.code == "bad_request"
+
+
+def test_an_unsealed_memfd_is_described_as_it_is():
+    """SGLang's memfd is made without MFD_ALLOW_SEALING: the client neither seals nor maps it; the daemon
+    accepts it as memory that may shrink."""
+    for flags in (os.MFD_CLOEXEC, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING):
+        fd = os.memfd_create("sglang-like", flags)
+        try:
+            os.ftruncate(fd, 4 * PAGE)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            fields, got = describe(fd, PAGE, None, None)
+            assert got == fd and fields == {
+                "kind": "host",
+                "offset": 0,
+                "nbytes": 4 * PAGE,
+                "page_bytes": PAGE,
+                "num_pages": 4,
+            }
+            assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == seals
+            with open("/proc/self/maps") as f:
+                assert "/memfd:sglang-like" not in f.read()
+        finally:
+            os.close(fd)
 
 
 class FakeCudaTensor:

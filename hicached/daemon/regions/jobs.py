@@ -1,6 +1,6 @@
 """Copy jobs as both copy executors (host threads, CUDA streams) run them: a request's batch of jobs, whose
-future completes on the event loop once every job has ended, and the tracker of running jobs that the
-daemon's watchdog reads."""
+future completes on the event loop once every job has ended, the tracker of running jobs that the
+daemon's watchdog reads, and the error of a copy that found its region's memory gone."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     """Hands a copy's outcome from a copy thread to the event loop; a closed loop has nobody waiting."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+class RegionGone(HicachedError):
+    """A copy found its region's memory gone (its file shrank under the daemon): copy_failed, and the region
+    cannot be copied from again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(COPY_FAILED, message)
 
 
 class Tracker:
@@ -67,16 +75,20 @@ class Batch:
         self.future: asyncio.Future[None] = loop.create_future()
         self.remaining = parts
         self.error: str | None = None
+        self.gone: str | None = None
 
-    def job_done(self, error: str | None) -> None:
-        """From any thread."""
-        call_on_loop(self.loop, self._done, error)
+    def job_done(self, error: str | None, gone: str | None = None) -> None:
+        """From any thread. `gone`: the job found the region's memory gone (the error says how)."""
+        call_on_loop(self.loop, self._done, error, gone)
 
-    def _done(self, error: str | None) -> None:
+    def _done(self, error: str | None, gone: str | None) -> None:
         self.remaining -= 1
         self.error = self.error or error
+        self.gone = self.gone or gone
         if self.remaining == 0 and not self.future.done():
-            if self.error:
+            if self.gone:
+                self.future.set_exception(RegionGone(f"copy failed: {self.gone}"))
+            elif self.error:
                 self.future.set_exception(HicachedError(COPY_FAILED, f"copy failed: {self.error}"))
             else:
                 self.future.set_result(None)

@@ -1,6 +1,9 @@
-"""Engine memory regions: registering them (a sealed memfd passed with SCM_RIGHTS, or a CUDA tensor's IPC
+"""Engine memory regions: registering them (a memfd passed with SCM_RIGHTS, or a CUDA tensor's IPC
 fields), unregistering them when their connection closes, and the store_pages / load_pages requests that
 copy a batch of pages between a region and L2 through the copy executor.
+
+A memfd the engine did not seal against shrinking is copied guarded: if its file shrinks, the copy that
+finds its memory gone fails (copy_failed) instead of the daemon dying of SIGBUS, and the region is dropped.
 
 A store is `Tiers.alloc` -> copy region -> slots -> `Tiers.commit` (abort on a failed copy); a load is
 `Tiers.acquire` (reading L3 as needed) -> copy slots -> region -> `Tiers.release`: leases, backups and
@@ -20,13 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from hicached.common.errors import BAD_REQUEST, NO_SPACE, NOT_FOUND, HicachedError
+from hicached.common import ranges as ranges_mod
+from hicached.common.errors import BAD_REQUEST, COPY_FAILED, NO_SPACE, NOT_FOUND, HicachedError
 from hicached.common.geometry import Geometry, check_pages, parse_geometry
 from hicached.common.keys import check_keys
-from hicached.common.memfd import check_sealed_fd
+from hicached.common.memfd import EngineMemory, check_region_fd
 from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, arg, keys_arg
 from hicached.config import Config
 from hicached.daemon.regions.copier import Copier
+from hicached.daemon.regions.jobs import RegionGone
 from hicached.daemon.sched.tiers import Session, Tiers
 
 log = logging.getLogger("hicached.regions")
@@ -45,8 +50,11 @@ class Region:
         self.users = 0  # copies running on it
         self.closed = False  # unregistered: released once `users` drops to 0
         self.released = False
+        self.gone: str | None = None  # dropped, its memory gone: what its requests are answered
         self.mm: mmap.mmap | None = None
         self.array: np.ndarray | None = None  # host: uint8 view of the region's bytes
+        self.end = 0  # host: the memfd's bytes the region reaches
+        self.may_shrink = False  # host: a memfd not sealed against shrinking (copied guarded)
         self.device: int | None = None  # cuda: device index in this process
         self.tensor: Any = None  # cuda: uint8 tensor over the region
 
@@ -71,22 +79,32 @@ class SessionRegions:
     closing: bool = False
     session: Session | None = None
     after: Callable[[Session], None] | None = None
+    dropped: dict[int, str] = field(default_factory=dict)  # handle -> why, for regions whose memory went
 
 
-def check_fd(fd: int, min_size: int) -> None:
-    """bad_request unless `fd` is a memfd sealed against shrinking, of at least `min_size` bytes."""
+def check_fd(fd: int, min_size: int) -> EngineMemory:
+    """bad_request unless `fd` is a memfd of at least `min_size` bytes that this daemon can copy safely: one
+    not sealed against shrinking only where copies can be guarded (the C module is built)."""
     try:
-        check_sealed_fd(fd, min_size)
+        mem = check_region_fd(fd, min_size)
     except ValueError as e:
         raise HicachedError(BAD_REQUEST, f"region refused: {e}") from None
     except OSError as e:
         raise HicachedError(BAD_REQUEST, f"region refused: cannot inspect its fd ({e.strerror})") from None
+    if mem.can_shrink and not ranges_mod.can_guard():
+        raise HicachedError(
+            BAD_REQUEST,
+            "region refused: this memfd is not sealed with F_SEAL_SHRINK, and this daemon cannot copy memory "
+            "that may shrink under it safely (hicached.common._pageio is not built); seal it, or reinstall "
+            "hicached where a C compiler is at hand",
+        )
+    return mem
 
 
-def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Map an engine's memfd shared, read-write, after checking it cannot shrink under us (a shrink would
-    make our next access SIGBUS). Blocking: prefaulting a big region takes a while."""
-    check_fd(fd, offset + nbytes)
+def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray, bool]:
+    """Map an engine's memfd shared, read-write; also whether it may shrink under us (its copies must then
+    be guarded: a shrink makes our next access SIGBUS). Blocking: prefaulting a big region takes a while."""
+    mem = check_fd(fd, offset + nbytes)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     try:
         mm = mmap.mmap(
@@ -102,7 +120,7 @@ def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
         ) from None
     if hasattr(mmap, "MADV_DONTDUMP"):
         mm.madvise(mmap.MADV_DONTDUMP)
-    return mm, np.frombuffer(mm, dtype=np.uint8)[offset - start :]
+    return mm, np.frombuffer(mm, dtype=np.uint8)[offset - start :], mem.can_shrink
 
 
 class RegionService:
@@ -132,7 +150,7 @@ class RegionService:
         if kind not in KINDS:
             raise HicachedError(BAD_REQUEST, f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if fd is not None:
-            check_fd(fd, 0)  # say first that memory which could shrink is refused, whatever else is wrong
+            check_fd(fd, 0)  # say first that memory which is not a memfd is refused, whatever else is wrong
         nbytes = arg(req, "nbytes", int)
         offset = arg(req, "offset", int, 0)
         if nbytes <= 0 or offset < 0:
@@ -167,7 +185,9 @@ class RegionService:
         try:
             if kind == "host":
                 loop = asyncio.get_running_loop()
-                region.mm, region.array = await loop.run_in_executor(None, map_host, fd, offset, nbytes)
+                mapped = await loop.run_in_executor(None, map_host, fd, offset, nbytes)
+                region.mm, region.array, region.may_shrink = mapped
+                region.end = offset + nbytes
             else:
                 loop = asyncio.get_running_loop()
                 cuda = await loop.run_in_executor(None, self.copier.cuda)  # imports torch, starts CUDA
@@ -184,6 +204,8 @@ class RegionService:
             raise HicachedError(NOT_FOUND, "the connection this region was registered for has closed")
         st.regions[region.handle] = region
         self.counters[f"attached.{kind}"] += 1
+        if region.may_shrink:
+            self.counters["attached.unsealed"] += 1
         log.debug("region %d (%s, %d bytes) for %s", region.handle, kind, nbytes, s.peer)
         return {"handle": region.handle, "num_pages": geom.num_pages, "nbytes": nbytes}
 
@@ -191,6 +213,8 @@ class RegionService:
         st = s.regions
         region = st.regions.pop(handle, None) if st is not None else None
         if region is None:
+            if st is not None and st.dropped.pop(handle, None) is not None:
+                return  # dropped already (its memory went): the engine lets go of its handle
             raise HicachedError(NOT_FOUND, f"no region {handle} on this connection")
         region.closed = True
         if region.users == 0:
@@ -222,6 +246,37 @@ class RegionService:
         if st.inflight == 0:
             self._finish(st)
 
+    def _drop(self, st: SessionRegions, region: Region) -> str:
+        """A copy found the region's memory gone (its memfd shrank): no request may copy it again, it is
+        released once no copy runs on it, and its handle answers why. Returns why; logs once a region."""
+        if region.gone is not None:
+            return region.gone
+        try:
+            size = f"{region.mm.size()} bytes" if region.mm is not None else "smaller"
+        except OSError:
+            size = "smaller"
+        region.gone = (
+            f"region {region.handle} was dropped: its memory shrank under the daemon (the memfd is now "
+            f"{size}; the region reaches byte {region.end}); register the memory again"
+        )
+        region.closed = True
+        if st.regions.get(region.handle) is region:
+            del st.regions[region.handle]
+            st.dropped[region.handle] = region.gone
+        self.counters["dropped.shrunk"] += 1
+        peer = st.session.peer if st.session is not None else "?"
+        log.warning(
+            "region %d of %s: its memfd shrank under the daemon (now %s; the region reaches byte %d); "
+            "dropped it, and failed the copies that found its memory gone",
+            region.handle,
+            peer,
+            size,
+            region.end,
+        )
+        if region.users == 0:
+            self._release(region, st)
+        return region.gone
+
     def _finish(self, st: SessionRegions) -> None:
         for region in list(st.regions.values()):
             if region.users == 0:
@@ -238,7 +293,8 @@ class RegionService:
         handle = arg(req, "handle", int)
         region = s.regions.regions.get(handle) if s.regions is not None else None
         if region is None:
-            raise HicachedError(NOT_FOUND, f"no region {handle} on this connection")
+            why = s.regions.dropped.get(handle) if s.regions is not None else None
+            raise HicachedError(NOT_FOUND, why or f"no region {handle} on this connection")
         if region.geom.page_bytes != s.page_bytes:
             raise HicachedError(
                 BAD_REQUEST,
@@ -256,7 +312,7 @@ class RegionService:
         self, s: Session, region: Region, to_pool: bool, pages: list[int], slots: list[int]
     ) -> asyncio.Future[list[int] | None]:
         if region.closed:
-            raise HicachedError(NOT_FOUND, f"region {region.handle} was unregistered")
+            raise HicachedError(NOT_FOUND, region.gone or f"region {region.handle} was unregistered")
         fut = self.copier.copy(region, to_pool, region.geom, pages, slots)
         st = s.regions
         st.inflight += 1
@@ -266,8 +322,11 @@ class RegionService:
         return fut
 
     def _copied(self, fut: asyncio.Future[list[int] | None], st: SessionRegions, region: Region) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
+        error = None if fut.cancelled() else fut.exception()
+        if error is not None:
             self.counters["copy_errors"] += 1  # also marks the error retrieved when nobody awaits it now
+            if isinstance(error, RegionGone):
+                self._drop(st, region)
         st.inflight -= 1
         region.users -= 1
         self.inflight -= 1
@@ -294,8 +353,10 @@ class RegionService:
             sums = await asyncio.shield(fut)
         except asyncio.CancelledError:
             raise  # the connection closed: its slots go once the copy has ended (close_session)
-        except BaseException:
+        except BaseException as e:
             self.tiers.abort_held(s, held)
+            if isinstance(e, RegionGone):
+                raise HicachedError(COPY_FAILED, self._drop(s.regions, region)) from None
             raise
         self.tiers.commit_held(s, held, sums)
         for i in todo:
@@ -314,8 +375,10 @@ class RegionService:
             await asyncio.shield(self._start_copy(s, region, False, pages[:n], offsets))
         except asyncio.CancelledError:
             raise  # the connection closed: its lease goes once the copy has ended (close_session)
-        except BaseException:
+        except BaseException as e:
             self.tiers.release_held(s, lease)
+            if isinstance(e, RegionGone):
+                raise HicachedError(COPY_FAILED, self._drop(s.regions, region)) from None
             raise
         self.tiers.release_held(s, lease)
         self.counters["load_pages"] += n

@@ -618,6 +618,31 @@ class Tiers:
         self.counters["lookup.misses"] += len(keys) > n
         return n
 
+    def present(self, s: Session, keys: list[str]) -> Coroutine[Any, Any, list[bool]]:
+        """Whether each key is in L2 or L3 (not only the leading ones), in the session's namespace as it is
+        when the request is taken: what a pool that keeps only some pages of a prefix (the trailing ones)
+        needs to know."""
+        return self._present(s.ns, keys)
+
+    async def _present(self, ns: str, keys: list[str]) -> list[bool]:
+        get = self.index.ns_entries(ns).get
+        out = [(e := get(k)) is not None and e.state != WRITING for k in keys]
+        hits = sum(out)
+        self.counters["lookup.l2_hits"] += hits
+        missing = [i for i, here in enumerate(out) if not here]
+        if missing and self.connector is not None:
+            rest = [keys[i] for i in missing]
+            try:
+                found = await self.backend.call("exists", lambda c: c.present(ns, rest))
+            except BackendError as e:
+                self.counters[f"lookup.l3_errors.{e.reason}"] += 1
+                found = [False] * len(rest)
+            for i, here in zip(missing, found, strict=True):
+                out[i] = bool(here)
+            self.counters["lookup.l3_hits"] += sum(found)
+        self.counters["lookup.misses"] += len(keys) - sum(out)
+        return out
+
     def all_ready(self, s: Session, keys: list[str]) -> bool:
         """Every key is a ready page of the session's namespace in L2 (the fast path of lookups)."""
         get = self.index.ns_entries(s.ns).get

@@ -391,6 +391,9 @@ class Server:
         async def _exists_l3(pending: Awaitable[int]) -> dict:
             return {"n": await pending}
 
+        async def _present(pending: Awaitable[list[bool]]) -> dict:
+            return {"present": await pending}
+
         def alloc(s: Session, req: dict[str, Any]) -> dict:
             status, offsets = t.alloc(s, keys(s, req))
             return {"status": status, "offsets": offsets}
@@ -446,6 +449,7 @@ class Server:
         return {
             "hello": hello,
             "exists": exists,
+            "present": lambda s, req: _present(t.present(s, keys(s, req))),
             "alloc": alloc,
             "commit": commit,
             "abort": lambda s, req: {"n": t.abort(s, keys(s, req))},

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicached.common.memfd import SEALS, check_sealed_fd
+from hicached.common.memfd import SEALS, EngineMemory, check_region_fd
 from hicached.daemon.l2.pool import Pool, available_memory, check_capacity
 
 SIZE = 1 << 20
@@ -138,8 +138,8 @@ def test_close_with_a_slot_still_exported(caplog: pytest.LogCaptureFixture) -> N
     held.release()
 
 
-def test_check_sealed_fd_accepts_the_pool_itself(pool: Pool) -> None:
-    assert check_sealed_fd(pool.fd, SIZE) == SIZE
+def test_check_region_fd_sees_the_pool_as_a_memfd_that_cannot_shrink(pool: Pool) -> None:
+    assert check_region_fd(pool.fd, SIZE) == EngineMemory("memfd", SIZE, can_shrink=False)
 
 
 GiB = 1 << 30

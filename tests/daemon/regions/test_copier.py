@@ -14,6 +14,7 @@ import pytest
 import torch
 import xxhash
 
+from hicached.common import ranges as ranges_mod
 from hicached.common.errors import HicachedError
 from hicached.common.geometry import Geometry, Segment, plan
 from hicached.daemon.l2.pool import Pool
@@ -24,7 +25,7 @@ from hicached.daemon.regions.jobs import Tracker
 
 def host_region(size: int, seed: int = 0) -> SimpleNamespace:
     rng = np.random.default_rng(seed)
-    return SimpleNamespace(kind="host", array=rng.integers(0, 256, size, dtype=np.uint8))
+    return SimpleNamespace(kind="host", array=rng.integers(0, 256, size, dtype=np.uint8), may_shrink=False)
 
 
 def expected_page(geom: Geometry, region: np.ndarray, i: int) -> bytes:
@@ -44,8 +45,8 @@ def pool():
 def ranges_impl(request, monkeypatch):
     """copy_ranges in C (hicached.common._pageio) and the numpy path used where it is not built."""
     if request.param == "numpy":
-        monkeypatch.setattr(copier_mod, "_copy_ranges", None)
-    elif copier_mod._copy_ranges is None:
+        monkeypatch.setattr(ranges_mod, "_copy_ranges", None)
+    elif ranges_mod._copy_ranges is None:
         pytest.skip("hicached.common._pageio is not built (no C compiler)")
     return request.param
 
@@ -76,12 +77,12 @@ async def test_a_store_takes_each_pages_checksum_as_it_copies_it(pool, ranges_im
 
 
 def test_checksums_need_whole_pages():
-    if copier_mod._copy_ranges is None:
+    if ranges_mod._copy_ranges is None:
         pytest.skip("hicached.common._pageio is not built (no C compiler)")
     pool, region = np.zeros(8192, dtype=np.uint8), np.ones(8192, dtype=np.uint8)
     offs = [np.array([0], dtype=np.int64)] * 2
     with pytest.raises(ValueError, match="whole pages"):
-        copier_mod._copy_ranges(
+        ranges_mod._copy_ranges(
             pool, region, *offs, np.array([3000], dtype=np.int64), True, 4096, np.zeros(1, np.uint64)
         )
 
@@ -100,7 +101,7 @@ async def test_round_trip_through_the_pool(pool):
         # Each page's checksum as it entered L2, as the page header keeps it: what L3 will hold it to.
         assert sums == [xxhash.xxh3_64_intdigest(expected_page(geom, src.array, i)) for i in pages]
         del mem
-        dst = SimpleNamespace(kind="host", array=np.zeros(300_000, dtype=np.uint8))
+        dst = SimpleNamespace(kind="host", array=np.zeros(300_000, dtype=np.uint8), may_shrink=False)
         await c.copy(dst, False, geom, pages, slots)
         for i in pages:
             assert expected_page(geom, dst.array, i) == expected_page(geom, src.array, i)
@@ -143,7 +144,8 @@ async def test_a_failed_copy_fails_its_request_and_the_copier_goes_on(pool, rang
     c = Copier(pool, threads=2)
     try:
         geom = Geometry(4096, 8, (Segment(0, 4096, 4096),))
-        short = SimpleNamespace(kind="host", array=np.zeros(4096, dtype=np.uint8))  # too small for page 3
+        # Too small for page 3.
+        short = SimpleNamespace(kind="host", array=np.zeros(4096, dtype=np.uint8), may_shrink=False)
         with pytest.raises(HicachedError) as e:
             await c.copy(short, True, geom, [3], [0])
         why = "IndexError: range 0" if ranges_impl == "native" else "could not broadcast"
@@ -251,7 +253,7 @@ def test_gather_checks_bounds_that_as_strided_does_not(ranges_impl):
 
 
 @pytest.mark.skipif(
-    copier_mod._copy_ranges is None, reason="hicached.common._pageio is not built (no C compiler)"
+    ranges_mod._copy_ranges is None, reason="hicached.common._pageio is not built (no C compiler)"
 )
 def test_native_copy_ranges_checks_every_range_and_its_arrays():
     from hicached.common._pageio import copy_ranges

@@ -1,11 +1,13 @@
 """Regions against an in-process daemon on the test's own event loop (AsyncClient): store_pages and
 load_pages with segmented geometry, limits, unknown handles, a copy that fails, a connection that closes
-while its copy runs, the side connection's refusals, and the watchdog that a stuck copy silences."""
+while its copy runs, the side connection's refusals, the watchdog that a stuck copy silences, and an
+unsealed memfd that shrinks under the daemon (its region dropped, nothing else disturbed)."""
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -17,6 +19,7 @@ import torch
 
 from hicached import config
 from hicached.common import protocol
+from hicached.common import ranges as ranges_mod
 from hicached.common.errors import HicachedError
 from hicached.common.memfd import SEALS
 from hicached.daemon.regions import copier as copier_mod
@@ -472,4 +475,150 @@ async def test_the_engine_cannot_release_the_lease_of_a_load_pages_copy(tmp_path
         await wait_for(lambda: d.tiers.index.stats()["leased"] == 0)
     finally:
         release.set()
+        await stop(d)
+
+
+def _unsealed_memfd(nbytes: int, name: str, seed: int) -> tuple[int, list[bytes]]:
+    """A memfd made as SGLang makes its own (no MFD_ALLOW_SEALING: it cannot be sealed), and its pages."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    pages = [np.random.default_rng(seed + i).bytes(PAGE) for i in range(nbytes // PAGE)]
+    os.pwrite(fd, b"".join(pages), 0)
+    return fd, pages
+
+
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return f"/memfd:{name} " in f.read()
+
+
+async def test_an_unsealed_memfd_is_served_until_it_shrinks_then_dropped(tmp_path, caplog):
+    name = f"svc-unsealed-{os.getpid()}"
+    fd, pages = _unsealed_memfd(8 * PAGE, name, seed=20)
+    d = await start(tmp_path)
+    try:
+        async with AsyncClient(d.server.path, "shrink.ns", PAGE) as c:
+            h = await c.register_region(fd, PAGE)
+            assert region_of(d, h).may_shrink and _mapped(name)
+            other = filled(4 * PAGE, seed=21)
+            ho = await c.register_region(other, PAGE)  # sealed: goes on as before
+            keys = keys_for("shr", 8)
+            assert await c.store_pages(h, list(range(8)), keys) == [True] * 8
+            assert await c.get(keys) == pages
+            assert await c.load_pages(h, [7, 6], keys[:2]) == 2
+            assert os.pread(fd, 2 * PAGE, 6 * PAGE) == pages[1] + pages[0]
+            os.ftruncate(fd, PAGE)  # the engine shrinks it: pages 1..7 are gone
+            more = keys_for("more", 4)
+            with caplog.at_level(logging.WARNING, logger="hicached.regions"):
+                with pytest.raises(HicachedError) as e:
+                    await c.store_pages(h, [0, 1, 2, 3], more)
+            why = (
+                f"region {h} was dropped: its memory shrank under the daemon (the memfd is now {PAGE} bytes; "
+                f"the region reaches byte {8 * PAGE}); register the memory again"
+            )
+            assert e.value.code == "copy_failed" and e.value.message == why
+            stats = await c.stats()
+            assert stats["pool"]["writing"] == 0 and await c.exists(more) == 0  # its slots were aborted
+            for call in (c.store_pages(h, [0], more[:1]), c.load_pages(h, [0], keys[:1])):
+                with pytest.raises(HicachedError) as e:
+                    await call
+                assert e.value.code == "not_found" and e.value.message == why
+            assert not _mapped(name)  # no copy of it runs: unmapped at once
+            regions = stats["regions"]
+            assert regions["count"] == 1 and regions["bytes"] == 4 * PAGE
+            assert regions["counters"]["dropped.shrunk"] == regions["counters"]["attached.unsealed"] == 1
+            [record] = [r for r in caplog.records if "shrank" in r.getMessage()]
+            assert f"region {h} of" in record.getMessage() and "dropped it" in record.getMessage()
+            # The connection and its other region go on; the dropped handle can be let go of, once.
+            assert await c.store_pages(ho, [0, 1], more[:2]) == [True, True]
+            assert await c.load_pages(ho, [3], keys[2:3]) == 1
+            assert bytes(other[3 * PAGE :].numpy()) == pages[2]
+            await c.unregister_region(h)
+            with pytest.raises(HicachedError) as e:
+                await c.unregister_region(h)
+            assert e.value.code == "not_found"
+    finally:
+        os.close(fd)
+        await stop(d)
+
+
+async def test_a_load_into_a_region_that_shrank_gives_its_lease_back(tmp_path):
+    fd, _ = _unsealed_memfd(4 * PAGE, "svc-load", seed=30)
+    d = await start(tmp_path)
+    try:
+        async with AsyncClient(d.server.path, "shrink.ns", PAGE) as c:
+            keys = keys_for("ld", 4)
+            assert await c.store(keys, [os.urandom(PAGE) for _ in keys]) == [True] * 4
+            h = await c.register_region(fd, PAGE)
+            os.ftruncate(fd, 0)
+            with pytest.raises(HicachedError) as e:
+                await c.load_pages(h, [0, 1, 2, 3], keys)
+            assert e.value.code == "copy_failed" and "is now 0 bytes" in e.value.message
+            assert d.tiers.index.stats()["leased"] == 0 and d.server.regions.count == 0
+            assert await c.exists(keys) == 4  # the pages stay stored
+    finally:
+        os.close(fd)
+        await stop(d)
+
+
+async def test_a_dropped_region_stays_mapped_until_its_last_copy_ends(tmp_path, monkeypatch, caplog):
+    name = f"svc-held-{os.getpid()}"
+    fd, _ = _unsealed_memfd(8 * PAGE, name, seed=40)
+    release = threading.Event()
+    real = copier_mod.copy_ranges
+    calls = []
+
+    def first_held(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(10)
+        real(*args)
+
+    d = await start(tmp_path)
+    try:
+        async with AsyncClient(d.server.path, "held.ns", PAGE) as c:
+            h = await c.register_region(fd, PAGE)
+            monkeypatch.setattr(copier_mod, "copy_ranges", first_held)
+            held = asyncio.ensure_future(c.store_pages(h, [4, 5], keys_for("held", 2)))
+            await wait_for(lambda: d.server.regions.copier.stats()["jobs_running"] == 1)
+            os.ftruncate(fd, 2 * PAGE)
+            with caplog.at_level(logging.WARNING, logger="hicached.regions"):
+                with pytest.raises(HicachedError) as e:
+                    await c.store_pages(h, [6], keys_for("next", 1))
+                assert e.value.code == "copy_failed" and "was dropped" in e.value.message
+                with pytest.raises(HicachedError) as e:
+                    await c.load_pages(h, [0], keys_for("held", 1))
+                assert e.value.code == "not_found" and "was dropped" in e.value.message
+                # The held copy still reads the mapping: it stays until that copy ends.
+                assert d.server.regions.count == 1 and _mapped(name)
+                release.set()
+                with pytest.raises(HicachedError) as e:
+                    await held
+                assert e.value.code == "copy_failed" and "was dropped" in e.value.message
+            await wait_for(lambda: d.server.regions.count == 0)
+            assert not _mapped(name) and d.tiers.index.stats()["writing"] == 0
+            assert len([r for r in caplog.records if "shrank" in r.getMessage()]) == 1  # once a region
+            stats = (await c.stats())["regions"]
+            assert stats["counters"]["dropped.shrunk"] == 1 and stats["copier"]["jobs_failed"] == 2
+    finally:
+        release.set()
+        os.close(fd)
+        await stop(d)
+
+
+async def test_memory_that_may_shrink_is_refused_where_copies_cannot_be_guarded(tmp_path, monkeypatch):
+    fd, _ = _unsealed_memfd(4 * PAGE, "svc-numpy", seed=50)
+    sealed = _sealed_memfd(4 * PAGE)
+    monkeypatch.setattr(ranges_mod, "_copy_ranges", None)  # the numpy path: a fault there cannot be caught
+    d = await start(tmp_path)
+    try:
+        async with AsyncClient(d.server.path, "numpy.ns", PAGE) as c:
+            with pytest.raises(HicachedError) as e:
+                await c.register_region(fd, PAGE)
+            assert e.value.code == "bad_request" and "not sealed with F_SEAL_SHRINK" in e.value.message
+            assert "cannot copy memory that may shrink" in e.value.message
+            h = await c.register_region(sealed, PAGE)  # sealed: as before
+            assert await c.store_pages(h, [1], ["np000000"]) == [True]
+    finally:
+        os.close(fd)
+        os.close(sealed)
         await stop(d)
