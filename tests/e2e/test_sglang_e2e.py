@@ -259,3 +259,31 @@ def test_sglang_dynamic_loader_builds_it_from_the_readmes_json(daemon, sgl):
     assert isinstance(b, HicachedStorage) and b.links[KV].zero_copy
     assert b.batch_set_v1(keys_for(12, 2), indices([0, 1])) == [True, True]
     assert b.batch_exists(keys_for(12, 2)) == 2
+
+
+@pytest.mark.parametrize("allocator", ["shm", "default"])
+def test_a_cold_batch_is_one_request_whose_l3_reads_run_together(daemon, sgl, monkeypatch, allocator):
+    # Not a round trip per page (or per staging chunk): one load_pages for the whole batch, and the daemon
+    # reads the missing pages from L3 in its own concurrent batches.
+    from hicached.engine.client import Client
+
+    src, dst = (
+        make_pool(sgl, allocator=allocator, pages=72, seed=13),
+        make_pool(sgl, allocator=allocator, pages=72),
+    )
+    keys = keys_for(13, 64)
+    b = backend(daemon.socket, src)
+    assert b.batch_set_v1(keys, indices(list(range(1, 65)))) == [True] * 64
+    assert daemon.ctl("flush")["flushed"]
+    daemon.stop()
+    daemon.start()  # L2 empty: every page comes from L3
+    calls = []
+    real = Client.load_pages
+    monkeypatch.setattr(Client, "load_pages", lambda self, *a: calls.append(len(a[1])) or real(self, *a))
+    r = backend(daemon.socket, dst)
+    assert r.batch_get_v1(keys, indices(list(range(1, 65)))) == [True] * 64
+    assert calls == [64]
+    assert all(sgl.raw_page_bytes(dst, i) == sgl.raw_page_bytes(src, i) for i in range(1, 65))
+    counters = daemon.ctl("stats")["counters"]
+    assert counters["prefetch.pages"] == 64  # every page read from L3 by the daemon, none missed
+    assert counters.get("prefetch.misses", 0) == 0
