@@ -1351,47 +1351,60 @@ static int int64_array(Py_buffer *b, const char *what, Py_ssize_t *n) {
 }
 
 #define HASH_CHUNK (64 << 10) /* copied then hashed while the source is still in the L2 cache */
+#define PAGE_RUNS 256         /* a page of more runs than this (per-layer slices) is copied a chunk at a time */
 
 /* The copy of copy_ranges with `sums`: each page's xxh3-64 taken as its bytes are copied. 0, or -1 when the
-   ranges do not make whole pages (nothing is hashed past that). */
+   ranges do not make whole pages (nothing is hashed past that). A page is the runs the ranges give it, in
+   order: in one pass over each (pageio_copy_hash_runs_avx2) where the CPU and the runs' lengths allow, else
+   a chunk at a time, copied then hashed while it is in the cache. */
 static int copy_hashing(stream_fn fn, char *pool, const char *region, const int64_t *pool_off,
                         const int64_t *region_off, const int64_t *length, Py_ssize_t n, size_t page_bytes,
                         uint64_t *sum, Py_ssize_t pages) {
-    XXH3_state_t state;
-    XXH3_INITSTATE(&state);
-    XXH3_64bits_reset(&state);
-    size_t in_page = 0;
-    Py_ssize_t page = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char *p = pool + pool_off[i];
-        const char *r = region + region_off[i];
-        size_t k = (size_t)length[i];
-        while (k > 0) {
-            if (page >= pages) return -1;
-#if defined(__x86_64__)
-            if (in_page == 0 && k >= page_bytes && fn == pageio_stream_avx2) { /* a whole page in one range */
-                sum[page++] = pageio_copy_hash_avx2(p, r, page_bytes);
-                p += page_bytes, r += page_bytes, k -= page_bytes;
-                continue;
+    char *dst[PAGE_RUNS];
+    const char *src[PAGE_RUNS];
+    size_t len[PAGE_RUNS];
+    Py_ssize_t i = 0; /* the ranges' cursor: range i, `at` bytes into it */
+    size_t at = 0;
+    for (Py_ssize_t page = 0; page < pages; page++) {
+        size_t runs = 0, left = page_bytes;
+        Py_ssize_t ci = i;
+        size_t cat = at;
+        while (left > 0) { /* this page's runs, as far as PAGE_RUNS */
+            if (ci >= n) return -1;
+            size_t k = (size_t)length[ci] - cat, take = k < left ? k : left;
+            if (runs < PAGE_RUNS) {
+                dst[runs] = pool + pool_off[ci] + cat, src[runs] = region + region_off[ci] + cat, len[runs] = take;
             }
+            runs++, left -= take, cat += take;
+            if (cat == (size_t)length[ci]) ci++, cat = 0;
+        }
+#if defined(__x86_64__)
+        if (fn == pageio_stream_avx2 && runs <= PAGE_RUNS &&
+            pageio_copy_hash_runs_avx2(dst, src, len, runs, &sum[page])) {
+            i = ci, at = cat;
+            continue;
+        }
 #endif
-            size_t take = page_bytes - in_page < k ? page_bytes - in_page : k;
+        XXH3_state_t state;
+        XXH3_INITSTATE(&state);
+        XXH3_64bits_reset(&state);
+        for (left = page_bytes; left > 0;) {
+            size_t k = (size_t)length[i] - at, take = k < left ? k : left;
             if (take > HASH_CHUNK) take = HASH_CHUNK;
+            char *p = pool + pool_off[i] + at;
+            const char *r = region + region_off[i] + at;
             if (fn != NULL && take >= STREAM_MIN_BYTES)
                 copy_streaming(fn, p, r, take);
             else
                 memcpy(p, r, take);
             XXH3_64bits_update(&state, r, take);
-            in_page += take;
-            if (in_page == page_bytes) {
-                sum[page++] = XXH3_64bits_digest(&state);
-                XXH3_64bits_reset(&state);
-                in_page = 0;
-            }
-            p += take, r += take, k -= take;
+            left -= take, at += take;
+            if (at == (size_t)length[i]) i++, at = 0;
         }
+        sum[page] = XXH3_64bits_digest(&state);
     }
-    return in_page == 0 && page == pages ? 0 : -1;
+    while (i < n && length[i] == 0) i++;
+    return i == n ? 0 : -1;
 }
 
 /* The loop of copy_ranges, with the GIL released: 0, or -1 as copy_hashing. */

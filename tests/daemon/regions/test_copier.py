@@ -76,6 +76,44 @@ async def test_a_store_takes_each_pages_checksum_as_it_copies_it(pool, ranges_im
         await asyncio.to_thread(c.close)
 
 
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [1 << 20, 1 << 20],  # K and V of SGLang's page_first: each run whole blocks of xxh3's loop (1 KiB)
+        [128 << 10, 128 << 10],
+        [8192] * 64,  # layer_first: a run per layer and K/V
+        [1024, 1024, 64],  # the last run only the input's last stripe
+        [1024, 2048, 63],  # ... one byte short of it: another path
+        [1024, 1000, 4096],  # a run that is not whole blocks, not the last
+        [4096, 4096, 100_000],  # a last run of blocks and a partial stripe
+        [200, 40],  # an input xxh3 hashes as a short one
+        [1024] * 300,  # more runs than the one-pass copy takes (PAGE_RUNS)
+    ],
+    ids=["page_first-2MiB", "page_first-256KiB", "layer_first", "last-64", "last-63", "odd-middle",
+         "long-last", "short-input", "300-runs"],
+)  # fmt: skip
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned-slots", "odd-slots"])
+def test_a_page_of_several_runs_hashes_as_its_bytes_one_after_the_other(ranges_impl, runs, misaligned):
+    # A page that is several runs of the region: the C copy carries one xxh3 state across its runs (in one
+    # pass over each where their lengths allow); the checksum must be that of the page's bytes, whatever path
+    # took it. Slots off 32-byte alignment take the copy that cannot stream.
+    page_bytes, n = sum(runs), 3
+    segs, off = [], 0
+    for k in runs:
+        segs.append(Segment(off, k, k + 64))  # a gap after each run: the runs are not one range
+        off += n * (k + 64) + 64
+    geom = Geometry(page_bytes, n, tuple(segs))
+    region = host_region(geom.extent, seed=len(runs)).array
+    stride = page_bytes + (8 if misaligned else 0) + 4096
+    pool = np.zeros(4 * stride + 4096, dtype=np.uint8)
+    pages, slots = [2, 0, 1], [k * stride + (8 if misaligned else 0) for k in (1, 3, 0)]
+    sums = np.zeros(len(pages), dtype=np.uint64)
+    ranges_mod.copy_ranges(pool, region, plan(geom, pages, slots), True, (page_bytes, sums))
+    for i, slot in zip(pages, slots, strict=True):
+        assert pool[slot : slot + page_bytes].tobytes() == expected_page(geom, region, i)
+    assert sums.tolist() == [xxhash.xxh3_64_intdigest(expected_page(geom, region, i)) for i in pages]
+
+
 def test_checksums_need_whole_pages():
     if ranges_mod._copy_ranges is None:
         pytest.skip("hicached.common._pageio is not built (no C compiler)")
