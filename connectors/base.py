@@ -45,6 +45,13 @@ class BackendMisconfigured(BackendError):
     code = "backend_misconfigured"
 
 
+class BackendUnsupported(BackendError):
+    """The backend cannot do what was asked at all (an operation it does not implement). Not transient:
+    retrying will not help."""
+
+    code = "unsupported"
+
+
 @dataclass(frozen=True)
 class Capabilities:
     shared: bool  # other nodes can see what this node writes
@@ -181,6 +188,15 @@ class Connector(abc.ABC):
     @abc.abstractmethod
     async def delete(self, namespace: str, keys: Sequence[str]) -> int:
         """Removes the keys; returns how many existed."""
+
+    async def clear_namespace(self, namespace: str) -> int:
+        """Deletes every page of `namespace` in this store; returns how many objects were removed. Objects
+        of other namespaces are never touched, those whose name starts with this one's included (`ns` and
+        `ns2`, `a` and `a.b`). Pages written into the namespace while the call runs may or may not be
+        removed. An invalid namespace (hicached.common.keys.valid_namespace) holds no pages: 0. Raises
+        BackendUnavailable when the store fails or the call passes the connector's time-out (some pages may
+        be gone by then); this default, for backends that cannot do it, raises BackendUnsupported."""
+        raise BackendUnsupported(self.name, "clearing a namespace is not supported", "unsupported")
 
     async def close(self) -> None:
         """Release clients and threads. Idempotent."""

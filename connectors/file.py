@@ -291,6 +291,9 @@ class FileConnector(Connector):
         self._enforcing = asyncio.Lock()
         self._janitor: asyncio.Task[None] | None = None
         self._stop = threading.Event()  # stops a scan still running in its thread after close()
+        # Trash names (file_janitor.TRASH_PREFIX) of the namespaces being cleared now: their trees are the
+        # clears' to remove, not the janitor's. Changed on io threads, read on the janitor's.
+        self._clearing: set[str] = set()
         # When the temporary files of a crash that the last scan found too young to remove (a restart soon
         # after it) turn stale (time.time()); the janitor scans again then. None: none seen.
         self._leftovers_due: float | None = None
@@ -446,19 +449,20 @@ class FileConnector(Connector):
         return self._stored
 
     async def enforce_bound(self) -> int:
-        """Scans the tree (on the janitor thread): counts the bytes stored, removes temporary files left by
-        a crash, and when over `max_bytes` removes the least recently used pages down to the low watermark.
-        Returns how many pages it removed."""
+        """Scans the tree (on the janitor thread): counts the bytes stored, removes temporary files and
+        trees of cleared namespaces left by a crash, and when over `max_bytes` removes the least recently
+        used pages down to the low watermark. Returns how many pages it removed."""
         async with self._enforcing:
             loop = asyncio.get_running_loop()
             done = await loop.run_in_executor(self._scan_executor, self._enforce, self._stop)
             self._scanned.set()
             if done is None:  # stopped by close()
                 return 0
-            evicted, freed, stale = done
+            evicted, freed, stale, trash = done
             self.counters["evictions"] += evicted
             self.counters["evicted_bytes"] += freed
             self.counters["stale_temp_removed"] += stale
+            self.counters["stale_trash_removed"] += trash
             if evicted:
                 log.info(
                     "file: %s was over its bound of %d bytes; removed %d least recently used pages, %d bytes",
@@ -469,6 +473,8 @@ class FileConnector(Connector):
                 )
             if stale:
                 log.info("file: removed %d temporary files left by an earlier crash", stale)
+            if trash:
+                log.info("file: removed %d namespace trees left by clears that did not finish", trash)
             return evicted
 
     async def _janitor_loop(self) -> None:
@@ -608,6 +614,42 @@ class FileConnector(Connector):
             removed = await self._call(aiofiles.ospath.wrap(self._remove_all), namespace, keys, what="delete")
         self.counters["deletes"] += removed
         return removed
+
+    async def clear_namespace(self, namespace: str) -> int:
+        """Renames `{root}/{namespace}` to a trash name under the root (file_janitor.TRASH_PREFIX, which no
+        namespace can take), then removes that tree on an io thread and returns how many page files it held.
+        The rename is one step: every read after it misses, and a put after it starts a new tree. A put that
+        had opened its shard before may still publish its page into the trash, where it is removed with the
+        rest or, if it comes last, left for the janitor: its put said True, yet the page reads as a miss; or
+        it finds its shard removed under it, and says False for the page (errors.ENOENT).
+        Nothing is followed through a symlink: a namespace that is a symlink (or anything else but a
+        directory) is itself removed, what it points to is left alone, and it held no pages (0). Past
+        storage.operation_timeout the call raises BackendUnavailable while the removal goes on; trees that
+        a clear left behind (a crash) are removed by the janitor's next scan, one at every start."""
+        if not valid_namespace(namespace):
+            return 0
+        removed = await self._call(aiofiles.ospath.wrap(self._clear), namespace, what="clear_namespace")
+        self.counters["deletes"] += removed
+        return removed
+
+    def _clear(self, namespace: str) -> int:
+        trash = f"{file_janitor.TRASH_PREFIX}{self._tmp_tag}.{next(self._tmp_seq)}"
+        root = self._open_root()
+        self._clearing.add(trash)  # before the rename: the janitor must never take the tree for a leftover
+        try:
+            try:
+                os.rename(namespace, trash, src_dir_fd=root, dst_dir_fd=root)
+            except FileNotFoundError:  # no such namespace
+                return 0
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile by someone else
+                return file_janitor.remove_tree(root, trash, self._freed)
+            return 0
+        finally:
+            self._clearing.discard(trash)
+            os.close(root)
+
+    def _freed(self, nbytes: int) -> None:
+        self._add_stored(-nbytes)
 
     async def _call(
         self, fn: Callable[..., Any], *args: Any, what: str, executor: ThreadPoolExecutor | None = None
@@ -1077,11 +1119,15 @@ class FileConnector(Connector):
 
     # The janitor's side, run on its own thread.
 
-    def _enforce(self, stop: threading.Event) -> tuple[int, int, int] | None:
-        """One janitor run: (pages removed, their bytes, stale temporary files removed); None if stopped."""
+    def _enforce(self, stop: threading.Event) -> tuple[int, int, int, int] | None:
+        """One janitor run: (pages removed, their bytes, stale temporary files removed, trees of unfinished
+        clears removed); None if stopped."""
+        trash = file_janitor.remove_trash(self.root, self._clearing, stop)
         with self._stored_lock:
             before = self._stored
-        scanned = file_janitor.scan(self.root, stop, collect=self._max_bytes > 0, own_tag=self._tmp_tag)
+        scanned = file_janitor.scan(
+            self.root, stop, collect=self._max_bytes > 0, own_tag=self._tmp_tag, clearing=self._clearing
+        )
         if scanned is None:
             return None
         total, pages, stale, self._leftovers_due = scanned
@@ -1096,4 +1142,4 @@ class FileConnector(Connector):
                     freed += size
         with self._stored_lock:  # what puts and deletes changed during the scan counts on top of it
             self._stored = total - freed + (self._stored - before)
-        return evicted, freed, stale
+        return evicted, freed, stale, trash

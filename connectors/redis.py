@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +25,7 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 from redis.asyncio.retry import Retry
 from redis.backoff import AbstractBackoff
 
+from hicached.common.keys import valid_key, valid_namespace
 from hicached.common.retry import Backoff
 
 from . import header
@@ -34,6 +37,10 @@ _STORE_FAILURES = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterError, r
 
 # Keys per pipeline in exists(): small enough that a miss early in a long list stops the work early.
 _EXISTS_CHUNK = 256
+# SCAN's COUNT in clear_namespace(): slots of the keyspace a round looks at, about the most keys it returns
+# (and so UNLINKs in its pipeline); a round of this size takes a node milliseconds.
+_SCAN_COUNT = 1000
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")  # what MATCH patterns treat specially: escaped with a backslash
 
 
 class _Page:
@@ -386,6 +393,57 @@ class RedisConnector(Connector):
         self.counters["deletes"] += removed
         return removed
 
+    async def clear_namespace(self, namespace: str) -> int:
+        """One SCAN pass over each primary (every node of a cluster, each holding its own slots) for keys
+        that MATCH `{prefix}:{namespace}:*` (the prefix's glob characters escaped), each round's pages
+        UNLINKed in one pipeline; only keys whose rest is a page key (no further `:`) are pages of this
+        namespace. Every round trip is bounded by storage.operation_timeout, and one pass ends however many
+        pages come in meanwhile: SCAN returns every key there throughout the pass, and a key written during
+        it may or may not be. A cluster that moves slots or fails over during the pass fails the call, or
+        leaves the pages of the moved slots. Pages removed before a failure are counted in `deletes`."""
+        if not valid_namespace(namespace):
+            return 0
+        head = self._key(namespace, "")
+        match, prefix = _GLOB_SPECIAL.sub(r"\\\1", head) + "*", head.encode()
+        nodes = await self._call(self._primaries)
+        removed = 0
+        try:
+            for node in nodes:
+                cursor = 0
+                while True:
+                    cursor, names = await self._call(functools.partial(self._scan, node, cursor, match))
+                    pages = [name for name in names if _page_of(name, prefix)]
+                    if pages:
+                        results = await self._pipeline([("UNLINK", name) for name in pages])
+                        self._count_refusals(results, "UNLINK")
+                        removed += sum(int(r) for r in results if not isinstance(r, Exception))
+                    if not cursor:
+                        break
+        finally:
+            self.counters["deletes"] += removed
+        return removed
+
+    async def _primaries(self, client: Any) -> list[str | None]:
+        """The names of the nodes whose keys make the whole keyspace: a cluster's primaries, or None for the
+        one server."""
+        if isinstance(client, RedisCluster):
+            await client.initialize()  # a no-op, unless a failure made the client forget the layout
+            primaries = [node.name for node in client.get_primaries()]
+            if not primaries:
+                raise rexc.ClusterError("the cluster names no primary node")
+            return primaries
+        return [None]
+
+    async def _scan(self, node: str | None, cursor: int, match: str, client: Any) -> tuple[int, list[bytes]]:
+        """One SCAN round on `node` (None: the one server)."""
+        if node is None:
+            return await client.scan(cursor, match=match, count=_SCAN_COUNT)
+        target = client.get_node(node_name=node)
+        if target is None:
+            raise rexc.ClusterError(f"node {node} left the cluster during the scan")
+        cursors, names = await client.scan(cursor, match=match, count=_SCAN_COUNT, target_nodes=target)
+        return cursors[node], names
+
 
 async def _execute(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     """One pipeline, not a transaction; commands Redis refuses come back as exception objects."""
@@ -399,6 +457,11 @@ async def _execute(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any
     if failed is not None:
         raise failed
     return results
+
+
+def _page_of(name: bytes, prefix: bytes) -> bool:
+    """Whether key `name` is a page under `prefix` (`{prefix}:{namespace}:`)."""
+    return name.startswith(prefix) and valid_key(name[len(prefix) :].decode("latin-1"))
 
 
 def _describe(e: BaseException) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -16,6 +17,8 @@ import aiohttp
 import botocore.exceptions as bexc
 from aiobotocore.config import AioConfig
 from hicached.config import Config
+
+from hicached.common.keys import valid_key, valid_namespace
 
 from . import header
 from .base import (
@@ -52,6 +55,8 @@ _REFUSED = frozenset(
 _NO_CREDENTIALS = (bexc.NoCredentialsError, bexc.PartialCredentialsError, bexc.CredentialRetrievalError)
 # Transport failures: botocore wraps most aiohttp errors, but a body read can surface aiohttp's own.
 _TRANSPORT = (bexc.ConnectionError, bexc.HTTPClientError, aiohttp.ClientError, OSError)
+# Objects a DeleteObjects request may name: S3's limit, and as many as one ListObjectsV2 page returns.
+_DELETE_BATCH = 1000
 
 
 def _code(e: bexc.ClientError) -> str:
@@ -315,6 +320,62 @@ class S3Connector(Connector):
         removed = sum(await self._each(delete_one, keys, keys))
         self.counters["deletes"] += removed
         return removed
+
+    async def clear_namespace(self, namespace: str) -> int:
+        """One ListObjectsV2 pass over `{prefix}/{namespace}/` (the slash keeps `ns2/` and `ns.x/` out), each
+        page of the listing removed by one DeleteObjects; only objects named by a page key are pages (what
+        lies in deeper "folders" is not ours). Every round trip is bounded by storage.operation_timeout.
+        The pass ends however many pages come in meanwhile: a page written during it may or may not be
+        listed. An object DeleteObjects reports as not deleted fails the call (BackendMisconfigured where
+        the store refuses us, else BackendUnavailable). Pages removed before a failure are counted in
+        `deletes`. DeleteObjects carries a checksum header; a store that rejects it fails the call."""
+        if not valid_namespace(namespace):
+            return 0
+        folder = self._object(namespace, "")
+        removed = 0
+        token: dict[str, str] = {}
+        try:
+            while True:
+                listing = await self._call(
+                    functools.partial(
+                        self._client.list_objects_v2,
+                        Bucket=self._bucket,
+                        Prefix=folder,
+                        Delimiter="/",
+                        MaxKeys=_DELETE_BATCH,
+                        **token,
+                    )
+                )
+                names = [o["Key"] for o in listing.get("Contents", ()) if valid_key(o["Key"][len(folder) :])]
+                if names:
+                    removed += await self._delete_batch(names)
+                if not listing.get("IsTruncated"):
+                    break
+                token = {"ContinuationToken": listing["NextContinuationToken"]}
+        finally:
+            self.counters["deletes"] += removed
+        return removed
+
+    async def _delete_batch(self, names: list[str]) -> int:
+        """One DeleteObjects for up to _DELETE_BATCH objects; how many it removed. Raises for objects the
+        store reports it could not delete."""
+        objects = {"Objects": [{"Key": name} for name in names], "Quiet": True}
+        answer = await self._call(
+            functools.partial(self._client.delete_objects, Bucket=self._bucket, Delete=objects)
+        )
+        failed = answer.get("Errors", ())
+        if not failed:
+            return len(names)
+        self.counters["deletes"] += len(names) - len(failed)
+        first = failed[0]
+        code = str(first.get("Code", ""))
+        detail = f"{first.get('Key')}: {code} {first.get('Message', '')}".rstrip()
+        what = f"{len(failed)} of {len(names)} objects not deleted ({detail})"
+        if code in _REFUSED:
+            self.counters["errors.refused"] += 1
+            raise BackendMisconfigured(self.name, f"{self._where()} refused us: {what}", "refused")
+        self.counters["errors.server"] += 1
+        raise BackendUnavailable(self.name, f"{self._where()}: {what}", "server")
 
 
 def _byte_view(buf: memoryview) -> memoryview:

@@ -180,6 +180,12 @@ class Client:
     def unpin(self, keys: Sequence[str]) -> int:
         return self._run(self._ops.op_unpin(keys))
 
+    def clear(self) -> dict[str, Any]:
+        """Forgets every page of this client's namespace in L2 and L3 (for every engine that shares it):
+        {"l2": pages dropped from L2, "busy": pages still held after server.request_timeout, "l3": objects
+        deleted (None with "error" when L3 could not be cleared)}."""
+        return self._run(self._ops.op_simple("clear"))
+
     def stats(self) -> dict[str, Any]:
         return self._run(self._ops.op_simple("stats"))
 
@@ -500,6 +506,10 @@ class AsyncClient:
 
     async def unpin(self, keys: Sequence[str]) -> int:
         return await self._run(self._ops.op_unpin(keys))
+
+    async def clear(self) -> dict[str, Any]:
+        """Client.clear()."""
+        return await self._run(self._ops.op_simple("clear"))
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._ops.op_simple("stats"))

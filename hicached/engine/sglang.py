@@ -596,8 +596,24 @@ class HicachedStorage(_Base):
             getattr(out, name).extend(values)
         return out
 
-    def clear(self) -> None:
-        """A no-op: the daemon's pages are shared by every engine on the node (`hicached ctl flush`)."""
+    def clear(self) -> bool:
+        """SGLang's clear_hicache_storage: every page of this engine's pools (their namespaces: the model,
+        its layout and this rank, so every engine on the node that shares them) is forgotten by the daemon,
+        in L2 and in L3; no page stored before is served after it (a weight update under the same model
+        name must not meet the KV of the old weights). True when every pool's namespace was cleared in both;
+        a failure is logged, never raised (SGLang calls this on its scheduler thread)."""
+        ok = True
+        for name, link in list(self.links.items()):
+            got = link.call("clear", lambda conn, _: conn.clear(), None)
+            if got is None or got.get("error") or got.get("busy"):
+                ok = False
+                logger.error("hicached: clearing pool %s (%s) did not finish: %s", name, link.namespace, got)
+            else:
+                logger.info(
+                    "hicached: pool %s (%s) cleared: %d pages from L2, %d objects from L3",
+                    name, link.namespace, got["l2"], got["l3"],
+                )  # fmt: skip
+        return ok
 
     def close(self) -> None:
         for link in self.links.values():

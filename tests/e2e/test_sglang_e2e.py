@@ -287,3 +287,29 @@ def test_a_cold_batch_is_one_request_whose_l3_reads_run_together(daemon, sgl, mo
     counters = daemon.ctl("stats")["counters"]
     assert counters["prefetch.pages"] == 64  # every page read from L3 by the daemon, none missed
     assert counters.get("prefetch.misses", 0) == 0
+
+
+def test_clear_forgets_the_engines_pages_in_l2_and_l3_and_no_other_namespaces(daemon, sgl):
+    # SGLang's clear_hicache_storage: nothing stored before is served after, not from L2, not from L3
+    # after a restart; another engine's namespace (another salt: another tenant) keeps every page.
+    src, dst = make_pool(sgl, pages=40, seed=21), make_pool(sgl, pages=40)
+    keys, pages = keys_for(21, 32), indices(list(range(1, 33)))
+    b = backend(daemon.socket, src)
+    other = backend(daemon.socket, src, extra={"salt": "tenant-b"})
+    assert b.batch_set_v1(keys, pages) == [True] * 32
+    assert other.batch_set_v1(keys, pages) == [True] * 32
+    assert daemon.ctl("flush")["flushed"]
+    assert b.clear() is True
+    assert b.batch_exists(keys) == 0 and other.batch_exists(keys) == 32
+    daemon.stop()
+    daemon.start()
+    r = backend(daemon.socket, dst)
+    assert r.batch_exists(keys) == 0 and r.batch_get_v1(keys, pages) == [False] * 32
+    o = backend(daemon.socket, dst, extra={"salt": "tenant-b"})
+    assert o.batch_get_v1(keys, pages) == [True] * 32
+    assert all(sgl.raw_page_bytes(dst, i) == sgl.raw_page_bytes(src, i) for i in range(1, 33))
+    # The engine stores again after it, as before.
+    assert r.batch_set_v1(keys[:4], pages[: 4 * TOKENS]) == [True] * 4
+    assert r.batch_exists(keys) == 4
+    counters = daemon.ctl("stats")["counters"]
+    assert counters["backup.lost"] == 0

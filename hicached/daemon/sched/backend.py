@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from hicached.common.retry import Backoff
 from hicached.config import Config
-from hicached.connectors.base import BackendError, BackendUnavailable, Connector
+from hicached.connectors.base import BackendError, BackendUnavailable, BackendUnsupported, Connector
 
 log = logging.getLogger("hicached.backend")
 
@@ -89,8 +89,8 @@ class Backend:
             return "starting"
         return "breaker_open" if self.tripped is not None else "detached"
 
-    async def call(self, op: str, fn: Callable[[Connector], Awaitable[T]]) -> T:
-        """Runs `fn` on the current connector, bounded by storage.operation_timeout."""
+    async def call(self, op: str, fn: Callable[[Connector], Awaitable[T]], timeout: float | None = None) -> T:
+        """Runs `fn` on the current connector, bounded by `timeout` (default storage.operation_timeout)."""
         conn = self.current
         if conn is None:
             raise BackendUnavailable("none", "no L3 backend is attached", "detached")
@@ -98,11 +98,13 @@ class Backend:
         self._inflight[key] += 1
         start = time.perf_counter()
         try:
-            async with asyncio.timeout(self.cfg.storage.operation_timeout):
+            async with asyncio.timeout(self.cfg.storage.operation_timeout if timeout is None else timeout):
                 result = await fn(conn)
         except TimeoutError:
             self._failure(conn, "timeout")
             raise BackendUnavailable(conn.name, f"{op} did not finish in time", "timeout") from None
+        except BackendUnsupported:
+            raise  # the backend works; it just cannot do this
         except BackendError as e:
             self._failure(conn, e.reason)
             raise

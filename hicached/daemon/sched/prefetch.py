@@ -56,6 +56,20 @@ class Prefetcher:
         # read even after its own request found a hole before it.
         self._merged: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
+        # Namespaces being cleared (Tiers.clear): how many clears run on each, and a count of those started,
+        # so that a read of one of their pages from L3 that overlaps a clear is dropped.
+        self._clearing: dict[str, int] = {}
+        self._clears: dict[str, int] = {}
+
+    def forgetting(self, ns: str, start: bool) -> None:
+        """A clear of `ns` starts (True) or ends: reads of its pages that overlap it are misses."""
+        if start:
+            self._clearing[ns] = self._clearing.get(ns, 0) + 1
+            self._clears[ns] = self._clears.get(ns, 0) + 1
+        elif self._clearing[ns] == 1:
+            del self._clearing[ns]
+        else:
+            self._clearing[ns] -= 1
 
     def start(self) -> None:
         self.resize(self.concurrency)
@@ -191,8 +205,12 @@ class Prefetcher:
                     self.counters["prefetch.skipped_after_hole"] += len(batch)
                     self._finish(batch, [False] * len(batch))
                     continue
-                epoch = self.backend.epoch
+                epoch, clears = self.backend.epoch, self._clears.get(ns)
                 ok = await self._read(ns, [e for _, e in batch])
+                if ns in self._clearing or self._clears.get(ns) != clears:
+                    # Read while the namespace was being cleared: maybe an object deleted since.
+                    self.counters["prefetch.cleared"] += sum(ok)
+                    ok = [False] * len(ok)
                 for (pos, _), good in zip(batch, ok, strict=True):
                     if not good:
                         req.hole = min(req.hole, pos)

@@ -802,6 +802,75 @@ class Tiers:
     def _leading_ready(self, entries: list[Entry]) -> int:
         return self.index.leading_live(entries[0].ns, entries, READY) if entries else 0
 
+    # Clear.
+
+    async def clear(self, s: Session) -> dict[str, Any]:
+        """Forgets every page of the session's namespace, in L2 and in L3 (an engine's `clear()`: SGLang's
+        clear_hicache_storage, after which no page stored before it may be served; a weight update under
+        the same model name needs it). Taken in the namespace the session has now.
+
+        L2: each page leaves the index as soon as nothing holds it: at once for most; a page an engine is
+        loading, that the backup is writing or that is being read from L3 once that ends (waited for up to
+        server.request_timeout; what is still held then is counted in `busy` and stays). Pages given up
+        here are not lost: the engine asked for them to go. L3: every object of the namespace is deleted.
+        Reads from L3 of the namespace that overlap the clear are dropped (misses), so that an object read
+        just before its deletion does not come back. Pages stored while the clear runs are new and stay in
+        L2, though their copies in L3 may go with the others (misses once they leave L2, never wrong)."""
+        s.require_hello()
+        ns = s.ns
+        self.prefetcher.forgetting(ns, True)
+        try:
+            out: dict[str, Any] = {"l2": 0, "busy": 0, "l3": 0}
+            todo = [e for e in self.index.ns_entries(ns).values() if e.state != WRITING]
+            deadline = time.monotonic() + self.cfg.server.request_timeout
+            while todo:
+                held = []
+                for e in todo:
+                    if not self.index.live(e):
+                        continue
+                    if e.state == READY and not e.leases:
+                        self._forget(e)
+                        out["l2"] += 1
+                    else:
+                        held.append(e)
+                todo = held
+                if todo and time.monotonic() >= deadline:
+                    out["busy"] = len(todo)
+                    break
+                if todo:
+                    await asyncio.sleep(0.005)
+            for k in [k for k in self.known_in_l3 if k[0] == ns]:
+                del self.known_in_l3[k]
+            if self.connector is not None:
+                try:
+                    # A namespace may be many objects (a thousand a request on S3): the request's bound, not
+                    # one page operation's.
+                    timeout = max(self.cfg.storage.operation_timeout, self.cfg.server.request_timeout)
+                    out["l3"] = await self.backend.call("clear", lambda c: c.clear_namespace(ns), timeout)
+                except BackendError as e:
+                    self.counters[f"clear.l3_errors.{e.reason}"] += 1
+                    out["l3"], out["error"] = None, f"{e.reason}: {e}"
+            elif self.cfg.storage.backend != "none":
+                out["l3"], out["error"] = None, "detached: no L3 backend attached, nothing deleted there"
+        finally:
+            self.prefetcher.forgetting(ns, False)
+        self.counters["clear.requests"] += 1
+        self.counters["clear.l2_pages"] += out["l2"]
+        self.counters["clear.l3_objects"] += out["l3"] or 0
+        log.info("namespace %s cleared by %s: %s", ns, s.peer or "an engine", out)
+        return out
+
+    def _forget(self, entry: Entry) -> None:
+        """An idle page out of L2 for clear(): owed to L3 no more, not remembered as in it, not lost."""
+        entry.dirty = False
+        entry.in_l3 = False
+        self.backup.abandoned.discard(entry)
+        self.stranded.discard(entry)
+        if entry.pinned:
+            entry.pinned = False
+            self.pinned_bytes -= entry.cls.slot_bytes
+        self.index.remove(entry)
+
     # Pins.
 
     def pin(self, s: Session, keys: list[str]) -> int:

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from hicached.connectors.base import BackendUnavailable
 from hicached.connectors.file import FileConnector
+from tiers_rig import PAGE, cfg_for, close_tiers, make_tiers, session, write
 
-from hicached import config
 from hicached.common.errors import HicachedError
 from hicached.common.protocol import (
     ALLOC_BUSY,
@@ -21,21 +21,8 @@ from hicached.common.protocol import (
     PUT_STORED,
 )
 from hicached.daemon.l2.index import READY
-from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched import tiers as tiers_mod
 from hicached.daemon.sched.tiers import PREFETCH_STEP, Session, Tiers
-
-PAGE = 64 * 1024
-
-
-def cfg_for(tmp_path, **storage):
-    return config.from_dict(
-        {
-            "pool": {"capacity": "8MiB", "slab_size": "1MiB", "prefault": False},
-            "storage": {"file": {"root": "data"}, "retry": {"base": "1ms", "attempts": 3}, **storage},
-        },
-        base_dir=str(tmp_path),
-    )
 
 
 class FlakyFile(FileConnector):
@@ -52,46 +39,12 @@ class FlakyFile(FileConnector):
         return await super().put(namespace, keys, payloads, checksums, hold)
 
 
-async def make_tiers(tmp_path, connector="file", **storage):
-    cfg = cfg_for(tmp_path, **storage)
-    pool = Pool(cfg.pool.capacity, prefault=False)
-    conn = FileConnector(cfg) if connector == "file" else connector
-    if conn is not None:
-        await conn.start()
-    t = Tiers(cfg, pool, conn)
-    t.start()
-    return t
-
-
-async def close_tiers(t: Tiers) -> None:
-    await t.stop()
-    if t.connector is not None:
-        await t.connector.close()
-    t.pool.close()
-
-
 async def other_store(tmp_path) -> FileConnector:
     """A started file connector on a second root, tmp_path/b (made on first use): another store."""
     (tmp_path / "b").mkdir(exist_ok=True)
     conn = FileConnector(cfg_for(tmp_path / "b"))
     await conn.start()
     return conn
-
-
-def session(t: Tiers, ns="ns1") -> Session:
-    s = Session(peer="test")
-    t.hello(s, ns, PAGE)
-    return s
-
-
-def write(t: Tiers, s: Session, keys: list[str], fill: int = 7) -> list[bool]:
-    status, offsets = t.alloc(s, keys)
-    written = []
-    for k, st, off in zip(keys, status, offsets, strict=True):
-        if st == ALLOC_WRITE:
-            t.pool.view[off : off + PAGE] = bytes([fill]) * PAGE
-            written.append(k)
-    return t.commit(s, written)
 
 
 async def test_store_backup_and_reload_from_l3(tmp_path):

@@ -1,0 +1,57 @@
+"""Tiers in-process over a real pool and the real file connector, for the scheduler's tests: a configuration
+rooted in a test's directory, a started Tiers, sessions, and pages written as an engine writes them."""
+
+from __future__ import annotations
+
+from hicached.connectors.file import FileConnector
+
+from hicached import config
+from hicached.common.protocol import ALLOC_WRITE
+from hicached.daemon.l2.pool import Pool
+from hicached.daemon.sched.tiers import Session, Tiers
+
+PAGE = 64 * 1024
+
+
+def cfg_for(tmp_path, **storage):
+    return config.from_dict(
+        {
+            "pool": {"capacity": "8MiB", "slab_size": "1MiB", "prefault": False},
+            "storage": {"file": {"root": "data"}, "retry": {"base": "1ms", "attempts": 3}, **storage},
+        },
+        base_dir=str(tmp_path),
+    )
+
+
+async def make_tiers(tmp_path, connector="file", **storage):
+    cfg = cfg_for(tmp_path, **storage)
+    pool = Pool(cfg.pool.capacity, prefault=False)
+    conn = FileConnector(cfg) if connector == "file" else connector
+    if conn is not None:
+        await conn.start()
+    t = Tiers(cfg, pool, conn)
+    t.start()
+    return t
+
+
+async def close_tiers(t: Tiers) -> None:
+    await t.stop()
+    if t.connector is not None:
+        await t.connector.close()
+    t.pool.close()
+
+
+def session(t: Tiers, ns="ns1") -> Session:
+    s = Session(peer="test")
+    t.hello(s, ns, PAGE)
+    return s
+
+
+def write(t: Tiers, s: Session, keys: list[str], fill: int = 7) -> list[bool]:
+    status, offsets = t.alloc(s, keys)
+    written = []
+    for k, st, off in zip(keys, status, offsets, strict=True):
+        if st == ALLOC_WRITE:
+            t.pool.view[off : off + PAGE] = bytes([fill]) * PAGE
+            written.append(k)
+    return t.commit(s, written)
