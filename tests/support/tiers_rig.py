@@ -13,23 +13,24 @@ from hicached.daemon.sched.tiers import Session, Tiers
 PAGE = 64 * 1024
 
 
-def cfg_for(tmp_path, **storage):
+def cfg_for(tmp_path, capacity: str = "8MiB", attempts: int = 3, **storage):
     return config.from_dict(
         {
-            "pool": {"capacity": "8MiB", "slab_size": "1MiB", "prefault": False},
-            "storage": {"file": {"root": "data"}, "retry": {"base": "1ms", "attempts": 3}, **storage},
+            "pool": {"capacity": capacity, "slab_size": "1MiB", "prefault": False},
+            "storage": {"file": {"root": "data"}, "retry": {"base": "1ms", "attempts": attempts}, **storage},
         },
         base_dir=str(tmp_path),
     )
 
 
-async def make_tiers(tmp_path, connector="file", **storage):
-    cfg = cfg_for(tmp_path, **storage)
-    pool = Pool(cfg.pool.capacity, prefault=False)
+async def make_tiers(tmp_path, connector="file", capacity="8MiB", attempts=3, **storage) -> Tiers:
+    """A started Tiers; `connector`: "file" (the real one on tmp_path/data), a connector (started here), or
+    None (no backend attached)."""
+    cfg = cfg_for(tmp_path, capacity, attempts, **storage)
     conn = FileConnector(cfg) if connector == "file" else connector
     if conn is not None:
         await conn.start()
-    t = Tiers(cfg, pool, conn)
+    t = Tiers(cfg, Pool(cfg.pool.capacity, prefault=False), conn)
     t.start()
     return t
 

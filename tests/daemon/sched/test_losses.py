@@ -7,26 +7,19 @@ from __future__ import annotations
 import logging
 
 import pytest
+import tiers_rig as rig
 from hicached.connectors.file import FileConnector
+from tiers_rig import PAGE, close_tiers, session
 
-from hicached import config
 from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, PUT_PRESENT
-from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched import tiers as tiers_mod
 from hicached.daemon.sched.tiers import Session, Tiers
 
-PAGE = 64 * 1024
 BAD = "lost.ns"  # the namespace whose pages the connector refuses
 
 
 def cfg_for(tmp_path, **storage):
-    return config.from_dict(
-        {
-            "pool": {"capacity": "4MiB", "slab_size": "1MiB", "prefault": False},
-            "storage": {"file": {"root": "data"}, "retry": {"base": "1ms", "attempts": 2}, **storage},
-        },
-        base_dir=str(tmp_path),
-    )
+    return rig.cfg_for(tmp_path, "4MiB", 2, **storage)
 
 
 class RefusingFile(FileConnector):
@@ -44,25 +37,7 @@ class RefusingFile(FileConnector):
 
 
 async def make_tiers(tmp_path, connector=None, **storage) -> Tiers:
-    cfg = cfg_for(tmp_path, **storage)
-    if connector is not None:
-        await connector.start()
-    t = Tiers(cfg, Pool(cfg.pool.capacity, prefault=False), connector)
-    t.start()
-    return t
-
-
-async def close_tiers(t: Tiers) -> None:
-    await t.stop()
-    if t.connector is not None:
-        await t.connector.close()
-    t.pool.close()
-
-
-def session(t: Tiers, ns: str) -> Session:
-    s = Session(peer="test")
-    t.hello(s, ns, PAGE)
-    return s
+    return await rig.make_tiers(tmp_path, connector, "4MiB", 2, **storage)
 
 
 def write(t: Tiers, s: Session, keys: list[str]) -> list[int]:
