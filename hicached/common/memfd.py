@@ -1,5 +1,6 @@
 """Shared memory both sides map: memfds, mapped shared and prefaulted (the daemon's L2 pool and an engine's
-shared buffers, both sealed against shrinking), and what the daemon makes of an fd an engine hands in."""
+shared buffers, both sealed against shrinking), and what the daemon makes of an fd an engine hands in (a
+memfd, or a file on tmpfs such as vLLM's /dev/shm region)."""
 
 from __future__ import annotations
 
@@ -65,12 +66,13 @@ class EngineMemory:
 
 
 # What an fd can be, as inspect_fd tells them apart. Regular files of shared memory other than memfds
-# (tmpfs, /dev/shm) behave as memfds do (a shrink makes a mapping's next access SIGBUS) but are not
-# accepted yet; a file elsewhere can also fault on an I/O error, and is not shared memory.
+# (tmpfs, /dev/shm: vLLM's CPU offload region) behave as an unsealed memfd does (a shrink makes a mapping's
+# next access SIGBUS, which guarded copies survive; they can never be sealed), so both are accepted; a file
+# elsewhere can also fault on an I/O error, and is not shared memory.
 MEMFD = "memfd"
 TMPFS_FILE = "tmpfs file"
 FILE = "regular file"
-ACCEPTED = frozenset({MEMFD})  # what an engine may register
+ACCEPTED = frozenset({MEMFD, TMPFS_FILE})  # what an engine may register
 
 
 def inspect_fd(fd: int) -> EngineMemory:
@@ -110,7 +112,7 @@ def check_region_fd(fd: int, min_size: int) -> EngineMemory:
     copy of memory that can must be guarded."""
     mem = inspect_fd(fd)
     if mem.kind not in ACCEPTED:
-        raise ValueError(f"memory must be a memfd; this fd is a {mem.kind}")
+        raise ValueError(f"memory must be a memfd or a file on tmpfs; this fd is a {mem.kind}")
     if mem.size < min_size:
         raise ValueError(f"memory of {mem.size} bytes is smaller than the {min_size} bytes asked for")
     return mem

@@ -1,5 +1,5 @@
-"""Memory an engine hands in (hicached.common.memfd): memfds, sealed against shrinking or not, told apart
-from tmpfs files, regular files, pipes and sockets."""
+"""Memory an engine hands in (hicached.common.memfd): memfds, sealed against shrinking or not, and tmpfs files
+(vLLM's /dev/shm region) accepted, told apart from regular files, pipes and sockets."""
 
 from __future__ import annotations
 
@@ -68,7 +68,23 @@ def test_a_too_small_memfd_is_refused() -> None:
         os.close(fd)
 
 
-def test_what_is_not_a_memfd_is_refused_and_named(tmp_path) -> None:
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (tmpfs) on this machine")
+def test_a_tmpfs_file_is_accepted_and_can_shrink() -> None:
+    # As vLLM makes its CPU offload region: O_CREAT|O_EXCL, mode 0600, born with F_SEAL_SEAL.
+    path = f"/dev/shm/hicached-test-vllm-{os.getpid()}.mmap"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, SIZE)
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL
+        assert check_region_fd(fd, SIZE) == EngineMemory("tmpfs file", SIZE, can_shrink=True)
+        with pytest.raises(ValueError, match="smaller"):
+            check_region_fd(fd, SIZE + 1)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_what_is_not_shared_memory_is_refused_and_named(tmp_path) -> None:
     r, w = os.pipe()
     a, b = socket.socketpair()
     regular = os.open(tmp_path / "region.bin", os.O_RDWR | os.O_CREAT, 0o600)
@@ -76,14 +92,12 @@ def test_what_is_not_a_memfd_is_refused_and_named(tmp_path) -> None:
     directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     null = os.open("/dev/null", os.O_RDWR)
     fds = {r: "pipe", a.fileno(): "socket", regular: "regular file", directory: "directory", null: "device"}
-    shm = f"/dev/shm/hicached-test-{os.getpid()}"
-    if os.path.isdir("/dev/shm"):  # shared memory, but not a memfd: a tmpfs file is not accepted (yet)
-        fds[os.open(shm, os.O_RDWR | os.O_CREAT, 0o600)] = "tmpfs file"
-        os.unlink(shm)
     try:
         for fd, kind in fds.items():
             assert inspect_fd(fd).kind == kind
-            with pytest.raises(ValueError, match=f"memory must be a memfd; this fd is a {kind}"):
+            with pytest.raises(
+                ValueError, match=f"memory must be a memfd or a file on tmpfs; this fd is a {kind}"
+            ):
                 check_region_fd(fd, 1)
     finally:
         for fd in fds:

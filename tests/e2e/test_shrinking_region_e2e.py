@@ -1,6 +1,7 @@
-"""An engine's memfd that shrinks under the real daemon (a subprocess) mid-traffic: the daemon stays up,
-that engine's requests fail with a clear error and its region is dropped, and another engine (another
-process, copying its own unsealed memfd all along) is served with the right bytes throughout."""
+"""An engine's memory that shrinks under the real daemon (a subprocess) mid-traffic, an unsealed memfd (as
+SGLang makes it) or a tmpfs file (as vLLM makes its /dev/shm region): the daemon stays up, that engine's
+requests fail with a clear error and its region is dropped, and another engine (another process, copying its
+own unsealed memfd all along) is served with the right bytes throughout."""
 
 from __future__ import annotations
 
@@ -126,9 +127,22 @@ def ctl_stats(daemon) -> dict:
     return json.loads(out.stdout)
 
 
-def test_a_memfd_truncated_under_load_drops_its_region_and_nothing_else(daemon_factory):
+def _engine_memory(kind: str) -> int:
+    if kind == "memfd":
+        return os.memfd_create("e2e-shrinks", os.MFD_CLOEXEC)  # as SGLang makes it: it cannot be sealed
+    # As vLLM's SharedOffloadRegion makes it: O_CREAT|O_EXCL, mode 0600, born with F_SEAL_SEAL.
+    path = f"/dev/shm/hicached-e2e-shrinks-{os.getpid()}.mmap"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.unlink(path)  # the open fd keeps it; nothing is left in /dev/shm whatever the test does
+    return fd
+
+
+@pytest.mark.parametrize("kind", ["memfd", "tmpfs file"])
+def test_memory_truncated_under_load_drops_its_region_and_nothing_else(daemon_factory, kind):
+    if kind == "tmpfs file" and not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
     daemon = daemon_factory({"pool": {"capacity": "512MiB"}})
-    fd = os.memfd_create("e2e-shrinks", os.MFD_CLOEXEC)  # as SGLang makes it: it cannot be sealed
+    fd = _engine_memory(kind)
     pages = [os.urandom(PAGE) for _ in range(16)]
     os.ftruncate(fd, 64 * PAGE)
     os.pwrite(fd, b"".join(pages), 0)
@@ -167,7 +181,7 @@ def test_a_memfd_truncated_under_load_drops_its_region_and_nothing_else(daemon_f
             assert not t.is_alive() and daemon.alive
 
             why = (
-                f"region {h} was dropped: its memory shrank under the daemon (the memfd is now 4096 bytes; "
+                f"region {h} was dropped: its memory shrank under the daemon (the {kind} is now 4096 bytes; "
                 f"the region reaches byte {64 * PAGE}); register the memory again"
             )
             [e] = failure

@@ -1,9 +1,10 @@
-"""Engine memory regions: registering them (a memfd passed with SCM_RIGHTS, or a CUDA tensor's IPC
-fields), unregistering them when their connection closes, and the store_pages / load_pages requests that
-copy a batch of pages between a region and L2 through the copy executor.
+"""Engine memory regions: registering them (a memfd or a tmpfs file passed with SCM_RIGHTS, or a CUDA
+tensor's IPC fields), unregistering them when their connection closes, and the store_pages / load_pages
+requests that copy a batch of pages between a region and L2 through the copy executor.
 
-A memfd the engine did not seal against shrinking is copied guarded: if its file shrinks, the copy that
-finds its memory gone fails (copy_failed) instead of the daemon dying of SIGBUS, and the region is dropped.
+A memfd the engine did not seal against shrinking, and a tmpfs file (vLLM's /dev/shm region, which can never
+be sealed), are copied guarded: if the file shrinks, the copy that finds its memory gone fails (copy_failed)
+instead of the daemon dying of SIGBUS, and the region is dropped.
 
 A store is `Tiers.alloc` -> copy region -> slots -> `Tiers.commit` (abort on a failed copy); a load is
 `Tiers.acquire` (reading L3 as needed) -> copy slots -> region -> `Tiers.release`: leases, backups and
@@ -27,7 +28,7 @@ from hicached.common import ranges as ranges_mod
 from hicached.common.errors import BAD_REQUEST, COPY_FAILED, NO_SPACE, NOT_FOUND, HicachedError
 from hicached.common.geometry import Geometry, check_pages, parse_geometry
 from hicached.common.keys import check_keys
-from hicached.common.memfd import EngineMemory, check_region_fd
+from hicached.common.memfd import MEMFD, EngineMemory, check_region_fd
 from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, arg, keys_arg
 from hicached.config import Config
 from hicached.daemon.regions.copier import Copier
@@ -54,7 +55,8 @@ class Region:
         self.mm: mmap.mmap | None = None
         self.array: np.ndarray | None = None  # host: uint8 view of the region's bytes
         self.end = 0  # host: the memfd's bytes the region reaches
-        self.may_shrink = False  # host: a memfd not sealed against shrinking (copied guarded)
+        self.may_shrink = False  # host: an unsealed memfd, or a tmpfs file (copied guarded)
+        self.memory = "memfd"  # host: what the fd is (hicached.common.memfd), as messages name it
         self.device: int | None = None  # cuda: device index in this process
         self.tensor: Any = None  # cuda: uint8 tensor over the region
 
@@ -83,8 +85,9 @@ class SessionRegions:
 
 
 def check_fd(fd: int, min_size: int) -> EngineMemory:
-    """bad_request unless `fd` is a memfd of at least `min_size` bytes that this daemon can copy safely: one
-    not sealed against shrinking only where copies can be guarded (the C module is built)."""
+    """bad_request unless `fd` is a memfd or tmpfs file of at least `min_size` bytes that this daemon can copy
+    safely: one that may shrink (an unsealed memfd, any tmpfs file) only where copies can be guarded (the C
+    module is built)."""
     try:
         mem = check_region_fd(fd, min_size)
     except ValueError as e:
@@ -92,18 +95,22 @@ def check_fd(fd: int, min_size: int) -> EngineMemory:
     except OSError as e:
         raise HicachedError(BAD_REQUEST, f"region refused: cannot inspect its fd ({e.strerror})") from None
     if mem.can_shrink and not ranges_mod.can_guard():
+        what = f"this {mem.kind} may shrink"
+        if mem.kind == MEMFD:
+            what = "this memfd is not sealed with F_SEAL_SHRINK"
         raise HicachedError(
             BAD_REQUEST,
-            "region refused: this memfd is not sealed with F_SEAL_SHRINK, and this daemon cannot copy memory "
-            "that may shrink under it safely (hicached.common._pageio is not built); seal it, or reinstall "
-            "hicached where a C compiler is at hand",
+            f"region refused: {what}, and this daemon cannot copy memory that may shrink under it safely "
+            "(hicached.common._pageio is not built); seal it, or reinstall hicached where a C compiler is "
+            "at hand",
         )
     return mem
 
 
-def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray, bool]:
-    """Map an engine's memfd shared, read-write; also whether it may shrink under us (its copies must then
-    be guarded: a shrink makes our next access SIGBUS). Blocking: prefaulting a big region takes a while."""
+def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray, EngineMemory]:
+    """Map an engine's memfd or tmpfs file shared, read-write; also what it is, and whether it may shrink
+    under us (its copies must then be guarded: a shrink makes our next access SIGBUS). Blocking: prefaulting
+    a big region takes a while."""
     mem = check_fd(fd, offset + nbytes)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     try:
@@ -120,7 +127,7 @@ def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray, 
         ) from None
     if hasattr(mmap, "MADV_DONTDUMP"):
         mm.madvise(mmap.MADV_DONTDUMP)
-    return mm, np.frombuffer(mm, dtype=np.uint8)[offset - start :], mem.can_shrink
+    return mm, np.frombuffer(mm, dtype=np.uint8)[offset - start :], mem
 
 
 class RegionService:
@@ -150,7 +157,8 @@ class RegionService:
         if kind not in KINDS:
             raise HicachedError(BAD_REQUEST, f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if fd is not None:
-            check_fd(fd, 0)  # say first that memory which is not a memfd is refused, whatever else is wrong
+            # Say first that memory the daemon does not take is refused, whatever else is wrong.
+            check_fd(fd, 0)
         nbytes = arg(req, "nbytes", int)
         offset = arg(req, "offset", int, 0)
         if nbytes <= 0 or offset < 0:
@@ -186,7 +194,8 @@ class RegionService:
             if kind == "host":
                 loop = asyncio.get_running_loop()
                 mapped = await loop.run_in_executor(None, map_host, fd, offset, nbytes)
-                region.mm, region.array, region.may_shrink = mapped
+                region.mm, region.array, mem = mapped
+                region.may_shrink, region.memory = mem.can_shrink, mem.kind
                 region.end = offset + nbytes
             else:
                 loop = asyncio.get_running_loop()
@@ -206,6 +215,8 @@ class RegionService:
         self.counters[f"attached.{kind}"] += 1
         if region.may_shrink:
             self.counters["attached.unsealed"] += 1
+        if region.memory != MEMFD:
+            self.counters["attached.tmpfs"] += 1
         log.debug("region %d (%s, %d bytes) for %s", region.handle, kind, nbytes, s.peer)
         return {"handle": region.handle, "num_pages": geom.num_pages, "nbytes": nbytes}
 
@@ -256,8 +267,8 @@ class RegionService:
         except OSError:
             size = "smaller"
         region.gone = (
-            f"region {region.handle} was dropped: its memory shrank under the daemon (the memfd is now "
-            f"{size}; the region reaches byte {region.end}); register the memory again"
+            f"region {region.handle} was dropped: its memory shrank under the daemon (the {region.memory} is "
+            f"now {size}; the region reaches byte {region.end}); register the memory again"
         )
         region.closed = True
         if st.regions.get(region.handle) is region:
@@ -266,10 +277,11 @@ class RegionService:
         self.counters["dropped.shrunk"] += 1
         peer = st.session.peer if st.session is not None else "?"
         log.warning(
-            "region %d of %s: its memfd shrank under the daemon (now %s; the region reaches byte %d); "
+            "region %d of %s: its %s shrank under the daemon (now %s; the region reaches byte %d); "
             "dropped it, and failed the copies that found its memory gone",
             region.handle,
             peer,
+            region.memory,
             size,
             region.end,
         )
