@@ -1,0 +1,309 @@
+"""vLLM 0.33 secondary KV-offload tier backed by the hicached daemon: `HicachedTier`, loaded by vLLM's
+SecondaryTierFactory from `"module_path": "hicached.engine.vllm"` (launch flags: README, vLLM section)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from hicached.engine.vllm_daemon import Daemon
+from hicached.engine.vllm_lookup import Answer, Lookups
+from hicached.engine.vllm_rows import check_prefix, region_file, row_fields
+
+__all__ = ["HicachedTier"]
+
+logger = logging.getLogger("hicached.engine.vllm")
+
+DEFAULT_TIMEOUT_S = 30.0  # a request's answer; a cold load waits for L3 up to the daemon's request_timeout
+DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to 30 s
+DEFAULT_IO_THREADS = 4  # jobs in flight at once (the daemon copies on its own threads)
+
+L2_LOADED = "vllm:kv_offload_hicached_l2_loaded_chunks"
+L3_LOADED = "vllm:kv_offload_hicached_l3_loaded_chunks"
+LATE_LOOKUPS = "vllm:kv_offload_hicached_late_lookups"
+CONNECTS = "vllm:kv_offload_hicached_connects"
+REACHABLE = "vllm:kv_offload_hicached_daemon_reachable"
+
+_ANSWERS = {Answer.HIT: LookupResult.HIT, Answer.MISS: LookupResult.MISS, Answer.RETRY: LookupResult.RETRY}
+_LOAD, _STORE, _STOP = 0, 1, 2  # queue priorities: promotions first, they hold a request back
+
+
+@dataclass(frozen=True)
+class _Job:
+    job_id: int
+    load: bool
+    keys: tuple[OffloadKey, ...]
+    chunk_ids: np.ndarray
+
+
+class HicachedTier(SecondaryTierManager):
+    """A `SecondaryTierManager` over a hicached daemon.
+
+    vLLM's CPU primary tier is a tmpfs file (/dev/shm/vllm_offload_<engine>.mmap) of rows, one a chunk. The
+    tier registers that file with the daemon once, by fd, and a store or load job is one `store_pages` /
+    `load_pages` request: the daemon copies between vLLM's rows and its L2 on its own threads, checksummed,
+    and backs them up to L3. Every method runs under vLLM's manager lock and returns at once: jobs run on a
+    few I/O threads, and lookups go to the daemon in one batch a step on a thread of their own. No method
+    raises: with the daemon down, lookups miss and jobs fail, and the daemon is used again once it is back.
+
+    Tier config keys: `socket` (required: the daemon's socket path), `namespace_prefix` (a tenant's
+    prefix, default none), `timeout_s`, `reconnect_s`, `io_threads`, `locality` (default LOCAL).
+
+    `medium` is CPU: what the daemon serves comes out of its host-memory L2 (a block only in L3 is read
+    into L2 by the daemon first), so vLLM counts these hits as host hits; get_stats splits them by tier.
+    Rows larger than the daemon's largest page (pool.slab_size) are split into equal parts with a key each.
+    """
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        socket: str,
+        namespace_prefix: str = "",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reconnect_s: float = DEFAULT_RECONNECT_S,
+        io_threads: int = DEFAULT_IO_THREADS,
+        locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not isinstance(socket, str) or not socket:
+            raise ValueError("the hicached tier needs 'socket': the daemon's socket path")
+        if timeout_s <= 0 or reconnect_s <= 0 or int(io_threads) < 1:
+            raise ValueError("timeout_s and reconnect_s must be positive, io_threads at least 1")
+        self.locality = Locality(locality) if locality is not None else Locality.LOCAL
+        num_rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
+        region = region_file(offloading_spec, primary_kv_view)
+        self._daemon = Daemon(
+            socket,
+            region,
+            num_rows,
+            self.block_size_bytes,
+            row_fields(offloading_spec, self.block_size_bytes),
+            check_prefix(namespace_prefix),
+            float(timeout_s),
+            float(reconnect_s),
+        )
+        self._lookups = Lookups(self._daemon.present, f"hicached_lookup_{tier_type}")
+        self._jobs: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._finished: queue.SimpleQueue[tuple[JobResult, tuple[OffloadKey, ...]]] = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._outstanding = 0  # jobs submitted whose result is not yet queued
+        self._counts = {L2_LOADED: 0, L3_LOADED: 0}
+        self._counts_lock = threading.Lock()
+        self._reported = {LATE_LOOKUPS: 0, CONNECTS: 0}
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._work, name=f"hicached_io_{tier_type}_{i}", daemon=True)
+            for i in range(int(io_threads))
+        ]
+        for t in self._workers:
+            t.start()
+        self._daemon.client()  # connect now: a wrong socket path shows in the log at start-up
+
+    @property
+    def namespace(self) -> str:
+        """The daemon namespace of this engine's rows ('' until the daemon was reached once)."""
+        return self._daemon.namespace
+
+    # -- under vLLM's lock: nothing here waits on the daemon -------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        try:
+            return _ANSWERS[self._lookups.lookup(key, req_context.req_id)]
+        except Exception:
+            logger.exception("hicached: lookup failed; answering a miss")
+            return LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        try:
+            self._lookups.cleanup(req_context.req_id)
+        except Exception:
+            logger.exception("hicached: releasing request %s's lookups failed", req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        try:
+            self._lookups.flush()
+        except Exception:
+            logger.exception("hicached: posting the step's lookups failed")
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, load=True)
+
+    def _submit(self, job: TransferJob, load: bool) -> None:
+        with self._cv:
+            self._outstanding += 1
+        keys: tuple[OffloadKey, ...] = ()
+        try:
+            # Copies: vLLM may reuse its lists once this returns; the I/O thread reads them later.
+            keys = tuple(job.keys)
+            item = _Job(job.job_id, load, keys, np.array(job.chunk_ids, dtype=np.int64))
+            if self._closed:
+                raise RuntimeError("the tier was shut down")
+            self._jobs.put((_LOAD if load else _STORE, next(self._seq), item))
+        except Exception as e:
+            logger.error("hicached: job %s could not be queued (%s); it fails", job.job_id, e)
+            self._done(JobResult(job.job_id, False, transfer_bytes=0), keys if load else ())
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        while True:
+            try:
+                result, missed = self._finished.get_nowait()
+            except queue.Empty:
+                return results
+            if missed:
+                try:
+                    self._lookups.mark_miss(missed)
+                except Exception:
+                    logger.exception("hicached: marking failed loads as misses failed")
+            results.append(result)
+
+    def has_pending_work(self) -> bool:
+        with self._cv:
+            if self._outstanding:
+                return True
+        try:
+            return self._lookups.pending()
+        except Exception:
+            return False
+
+    def drain_jobs(self) -> None:
+        """Returns once no job of this tier runs: the daemon copies no row of vLLM's any more (a request in
+        flight ends with its answer, or with its connection closed after timeout_s)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._outstanding == 0)
+
+    def shutdown(self) -> None:
+        """Waits for the jobs in flight, stops the threads and lets go of the daemon's mapping of vLLM's
+        region and of the fd. The tier never takes a lasting export of vLLM's view, so vLLM can unmap it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain_jobs()
+            for _ in self._workers:
+                self._jobs.put((_STOP, next(self._seq), None))
+            for t in self._workers:
+                t.join()
+            self._lookups.shutdown()
+            self._daemon.close()
+        except Exception:
+            logger.exception("hicached: shutting the tier down failed")
+        finally:
+            self._daemon.release_fd()
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            L2_LOADED: OffloadingCounterMetadata(
+                documentation="Chunks the hicached tier loaded from the daemon's host-memory L2."
+            ),
+            L3_LOADED: OffloadingCounterMetadata(
+                documentation="Chunks the hicached tier loaded that the daemon read from L3 storage first."
+            ),
+            LATE_LOOKUPS: OffloadingCounterMetadata(
+                documentation=(
+                    "Chunk lookups the hicached tier answered as misses because the daemon had not "
+                    "answered by the request's next step (a RETRY is given once at most)."
+                )
+            ),
+            CONNECTS: OffloadingCounterMetadata(
+                documentation="Daemon connections the hicached tier made (at start, and after one went).",
+            ),
+            REACHABLE: OffloadingGaugeMetadata(
+                documentation="1 while the hicached tier holds a connection to the daemon, else 0."
+            ),
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        try:
+            stats = OffloadingConnectorStats()
+            with self._counts_lock:
+                counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+            counts[LATE_LOOKUPS] = self._lookups.late - self._reported[LATE_LOOKUPS]
+            counts[CONNECTS] = self._daemon.connects - self._reported[CONNECTS]
+            self._reported = {LATE_LOOKUPS: self._lookups.late, CONNECTS: self._daemon.connects}
+            for name, n in counts.items():
+                if n:
+                    stats.increase_counter(name, n)
+            stats.set_gauge(REACHABLE, 1 if self._daemon.reachable else 0)
+            return stats
+        except Exception:
+            logger.exception("hicached: collecting the tier's stats failed")
+            return None
+
+    # -- I/O threads ----------------------------------------------------------------------------------
+
+    def _done(self, result: JobResult, missed: tuple[OffloadKey, ...]) -> None:
+        self._finished.put((result, missed))
+        with self._cv:
+            self._outstanding -= 1
+            if not self._outstanding:
+                self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            _, _, job = self._jobs.get()
+            if job is None:
+                return
+            result, missed = JobResult(job.job_id, False, transfer_bytes=0), job.keys if job.load else ()
+            try:
+                result, missed = self._run(job)
+            except Exception:  # a bug: the job still ends, once, as a failure
+                logger.exception("hicached: job %s failed", job.job_id)
+            finally:
+                self._done(result, missed)
+
+    def _run(self, job: _Job) -> tuple[JobResult, tuple[OffloadKey, ...]]:
+        start = time.perf_counter()
+        row = self.block_size_bytes
+        if not job.load:
+            stored = self._daemon.store(job.keys, job.chunk_ids)
+            ok = stored is not None and stored == len(job.keys)
+            nbytes = (stored or 0) * row
+            return JobResult(job.job_id, ok, None, time.perf_counter() - start, nbytes), ()
+        from_l2, from_l3 = self._daemon.load(job.keys, job.chunk_ids)
+        n = from_l2 + from_l3
+        with self._counts_lock:
+            self._counts[L2_LOADED] += from_l2
+            self._counts[L3_LOADED] += from_l3
+        seconds = time.perf_counter() - start
+        if n == len(job.keys):
+            return JobResult(job.job_id, True, None, seconds, n * row), ()
+        # The rows before the first missing block are loaded and kept; the rest are misses from now on.
+        kept = job.keys[:n] or None
+        return JobResult(job.job_id, False, kept, seconds, n * row), job.keys[n:]

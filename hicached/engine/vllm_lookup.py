@@ -1,0 +1,149 @@
+"""Lookups of the vLLM tier without waiting under vLLM's lock: a step's new keys go to the daemon in one batch
+at the step's end, on a thread of their own, and are answered from what came back (hicached.engine.vllm)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    PENDING = 1  # asked this step; goes to the daemon when the step ends
+    IN_FLIGHT = 2  # posted; its answer has not been drained yet
+    RESOLVED = 3
+
+
+class Answer(enum.Enum):
+    HIT = 1
+    MISS = 2
+    RETRY = 3
+
+
+@dataclass(slots=True)
+class _Probe:
+    generation: int
+    phase: Phase = Phase.PENDING
+    found: bool | None = None
+    requests: set[str] = field(default_factory=set)
+    retried: set[str] = field(default_factory=set)  # requests answered RETRY for this key already
+
+
+Batch = list[tuple[bytes, int]]
+
+
+class Lookups:
+    """Per-key probes, as vLLM's AsyncLookupManager keeps them (per-request references, a generation so a
+    late answer never lands on a newer probe, mark_miss after a failed load), except that one batch a step
+    carries every request's keys to `resolve`, and that a request is answered RETRY for a key once at most:
+    asked again while the daemon's answer has still not come back (a slow daemon, a short step), the key is
+    a MISS (counted in `late`), never a second RETRY.
+
+    All methods but the worker run under vLLM's manager lock; the worker only calls `resolve`."""
+
+    def __init__(self, resolve: Callable[[Sequence[bytes]], Sequence[bool]], name: str) -> None:
+        self._resolve = resolve
+        self._probes: dict[bytes, _Probe] = {}
+        self._req_keys: dict[str, set[bytes]] = {}
+        self._batch: Batch = []
+        self._generation = 0
+        self._posted = 0  # batches posted and not yet drained
+        self._todo: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[list[tuple[bytes, int, bool]]] = queue.SimpleQueue()
+        self.late = 0  # keys answered MISS because their batch had not come back by the next step
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def lookup(self, key: bytes, req_id: str) -> Answer:
+        self._drain()
+        probe = self._probes.get(key)
+        if probe is None:
+            probe = self._probes[key] = _Probe(self._generation)
+            self._generation += 1
+            self._batch.append((key, probe.generation))
+        probe.requests.add(req_id)
+        self._req_keys.setdefault(req_id, set()).add(key)
+        if probe.found is not None:
+            return Answer.HIT if probe.found else Answer.MISS
+        if req_id not in probe.retried:
+            probe.retried.add(req_id)
+            return Answer.RETRY
+        self.late += 1
+        return Answer.MISS
+
+    def flush(self) -> None:
+        """The step ended: its new keys go to the daemon in one batch."""
+        self._drain()
+        batch, self._batch = self._batch, []
+        posted = []
+        for key, generation in batch:
+            probe = self._probes.get(key)
+            if probe is None or probe.generation != generation:
+                continue  # its requests finished within the step
+            probe.phase = Phase.IN_FLIGHT
+            posted.append((key, generation))
+        if posted:
+            self._posted += 1
+            self._todo.put(posted)
+
+    def pending(self) -> bool:
+        """Keys wait for the step's end, or for the daemon's answer."""
+        self._drain()
+        return bool(self._batch) or self._posted > 0
+
+    def mark_miss(self, keys: Collection[bytes]) -> None:
+        """A load of these keys failed: answer MISS from now on (vLLM would otherwise promote them again
+        and again, vLLM #49176). A newer probe still on its way keeps its own answer."""
+        for key in keys:
+            probe = self._probes.get(key)
+            if probe is not None and probe.phase is Phase.RESOLVED:
+                probe.found = False
+
+    def cleanup(self, req_id: str) -> None:
+        for key in self._req_keys.pop(req_id, ()):
+            probe = self._probes.get(key)
+            if probe is None:
+                continue
+            probe.requests.discard(req_id)
+            probe.retried.discard(req_id)
+            if not probe.requests and probe.phase is not Phase.IN_FLIGHT:
+                del self._probes[key]
+
+    def shutdown(self) -> None:
+        self._todo.put(None)
+        self._thread.join()
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                answers = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._posted -= 1
+            for key, generation, found in answers:
+                probe = self._probes.get(key)
+                if probe is None or probe.generation != generation:
+                    continue
+                if not probe.requests:
+                    del self._probes[key]
+                    continue
+                probe.found = found
+                probe.phase = Phase.RESOLVED
+
+    def _work(self) -> None:
+        while (batch := self._todo.get()) is not None:
+            keys = [key for key, _ in batch]
+            try:
+                found = list(self._resolve(keys))
+                if len(found) != len(keys):
+                    raise ValueError(f"{len(found)} answers for {len(keys)} keys")
+            except Exception:  # resolve answers misses itself; this is a bug, and must not stop lookups
+                logger.exception("hicached: a lookup batch failed; its %d keys are misses", len(keys))
+                found = [False] * len(keys)
+            self._done.put([(key, gen, bool(f)) for (key, gen), f in zip(batch, found, strict=True)])
