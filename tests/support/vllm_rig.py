@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 MODULE = "hicached.engine.vllm"
@@ -113,21 +114,28 @@ class Engine:
         self.row = self.spec.kv_bytes_per_chunk
         self.rows = self.worker.base_tensor.view(self.spec.num_chunks, self.row).numpy().view(np.uint8)
         self.tier_answers: dict[bytes, list[LookupResult]] = {}
+        self.job_results: list[JobResult] = []
         if self.tier is not None:
             self._spy_on_tier_lookups()
         self._closed = False
 
     def _spy_on_tier_lookups(self) -> None:
-        # Records what the tier itself answered (the manager turns a tier HIT into HIT_PENDING); the real
-        # method answers.
-        real = self.tier.lookup
+        # Records what the tier itself answered (the manager turns a tier HIT into HIT_PENDING) and the jobs
+        # it reported; the real methods answer.
+        real_lookup, real_finished = self.tier.lookup, self.tier.get_finished_jobs
 
         def lookup(key: bytes, req_context: ReqContext) -> LookupResult:
-            result = real(key, req_context)
+            result = real_lookup(key, req_context)
             self.tier_answers.setdefault(key, []).append(result)
             return result
 
+        def get_finished_jobs() -> list[JobResult]:
+            results = list(real_finished())
+            self.job_results += results
+            return results
+
         self.tier.lookup = lookup
+        self.tier.get_finished_jobs = get_finished_jobs
 
     def request(self, req_id: str) -> ReqContext:
         ctx = ReqContext(req_id=req_id)
@@ -168,16 +176,21 @@ class Engine:
             self.manager.complete_store(out.keys_to_store, ctx)
         return list(out.keys_to_store)
 
-    def lookups(self, ctx: ReqContext, keys: Sequence[bytes], rounds: int = 100) -> list[LookupResult]:
+    def lookups(self, ctx: ReqContext, keys: Sequence[bytes], timeout: float = 60.0) -> list[LookupResult]:
         """The scheduler's lookups of `keys`, a step apart, until each is HIT or MISS in the primary tier
         (a promotion from the secondary tier ends as HIT once loaded)."""
-        for _ in range(rounds):
+        deadline = time.monotonic() + timeout
+        while True:
             with self.manager.lock:
                 results = [self.manager.lookup(k, ctx) for k in keys]
             if all(r in (LookupResult.HIT, LookupResult.MISS) for r in results):
                 return results
+            if time.monotonic() > deadline:
+                raise AssertionError(f"lookups did not settle in {timeout}s: {results}")
             self.settle()
-        raise AssertionError(f"lookups did not settle in {rounds} steps: {results}")
+            # The model-execution window: the fs tier's lookup thread, which has_pending_work does not
+            # cover, gets the GIL to answer.
+            time.sleep(0.005)
 
     def read(self, ctx: ReqContext, keys: Sequence[bytes]) -> list[bytes]:
         """primary -> GPU: the rows prepare_load names, read as the worker would copy them."""

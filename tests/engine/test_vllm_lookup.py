@@ -1,0 +1,131 @@
+"""The vLLM tier's lookups (hicached.engine.vllm_lookup): a step's keys resolved in one batch off the caller's
+thread, RETRY once at most for a request and key, per-request references, mark_miss after a failed load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from hicached.engine.vllm_lookup import Answer, Lookups
+
+HIT, MISS, RETRY = Answer.HIT, Answer.MISS, Answer.RETRY
+
+
+class Daemon:
+    """What `resolve` answers (the keys present), each batch it got, and a gate to hold it."""
+
+    def __init__(self, present: set[bytes]) -> None:
+        self.present = present
+        self.batches: list[list[bytes]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def resolve(self, keys: Sequence[bytes]) -> list[bool]:
+        self.gate.wait(30)
+        self.batches.append(list(keys))
+        return [k in self.present for k in keys]
+
+
+def settled(lookups: Lookups, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while lookups.pending():
+        assert time.monotonic() < deadline, "the lookup batch did not come back"
+        time.sleep(0.001)
+
+
+def test_a_steps_keys_of_every_request_go_in_one_batch_and_retry_once() -> None:
+    d = Daemon({b"a", b"b"})
+    lk = Lookups(d.resolve, "test-lookups")
+    try:
+        assert [lk.lookup(k, "r1") for k in (b"a", b"b", b"c")] == [RETRY] * 3
+        assert lk.lookup(b"a", "r2") == RETRY  # another request, same step: shares the probe
+        assert lk.pending() and not d.batches  # nothing leaves before the step ends
+        lk.flush()
+        settled(lk)
+        assert d.batches == [[b"a", b"b", b"c"]]
+        assert [lk.lookup(k, "r1") for k in (b"a", b"b", b"c")] == [HIT, HIT, MISS]
+        assert lk.lookup(b"a", "r2") == HIT
+        lk.flush()  # nothing new: no batch
+        settled(lk)
+        assert len(d.batches) == 1 and lk.late == 0
+    finally:
+        lk.shutdown()
+
+
+def test_an_answer_not_back_by_the_next_step_is_a_miss_never_a_second_retry() -> None:
+    d = Daemon({b"a"})
+    d.gate.clear()  # a slow daemon
+    lk = Lookups(d.resolve, "test-lookups")
+    try:
+        assert lk.lookup(b"a", "r1") == RETRY
+        lk.flush()
+        assert lk.lookup(b"a", "r1") == MISS and lk.late == 1
+        assert lk.lookup(b"a", "r2") == RETRY  # a request asking for the first time may wait a step
+        assert lk.lookup(b"a", "r2") == MISS and lk.late == 2
+        d.gate.set()
+        settled(lk)
+        assert lk.lookup(b"a", "r1") == HIT  # once back, the answer is used
+    finally:
+        lk.shutdown()
+
+
+def test_a_failed_load_marks_its_keys_missed_and_finished_requests_forget_theirs() -> None:
+    d = Daemon({b"a", b"b"})
+    lk = Lookups(d.resolve, "test-lookups")
+    try:
+        lk.lookup(b"a", "r1")
+        lk.lookup(b"b", "r1")
+        lk.flush()
+        settled(lk)
+        lk.mark_miss([b"a", b"unknown"])
+        assert lk.lookup(b"a", "r1") == MISS and lk.lookup(b"b", "r1") == HIT
+        lk.cleanup("r1")
+        assert lk.lookup(b"a", "r3") == RETRY  # a new probe: the daemon is asked again
+        lk.flush()
+        settled(lk)
+        assert lk.lookup(b"a", "r3") == HIT and d.batches[-1] == [b"a"]
+    finally:
+        lk.shutdown()
+
+
+def test_a_probe_whose_requests_finished_in_flight_is_dropped_when_its_answer_lands() -> None:
+    d = Daemon({b"a"})
+    d.gate.clear()
+    lk = Lookups(d.resolve, "test-lookups")
+    try:
+        lk.lookup(b"a", "r1")
+        lk.flush()
+        lk.cleanup("r1")  # while its batch is out
+        d.gate.set()
+        settled(lk)
+        assert lk.lookup(b"a", "r2") == RETRY  # asked afresh, not answered from the dropped probe
+        lk.cleanup("r2")
+        lk.flush()  # its request went within the step: nothing is posted
+        settled(lk)
+        assert d.batches == [[b"a"]]
+    finally:
+        lk.shutdown()
+
+
+def test_a_failing_resolve_turns_into_misses_and_lookups_go_on() -> None:
+    calls = []
+
+    def resolve(keys: Sequence[bytes]) -> list[bool]:
+        calls.append(list(keys))
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return [True] * len(keys)
+
+    lk = Lookups(resolve, "test-lookups")
+    try:
+        lk.lookup(b"a", "r1")
+        lk.flush()
+        settled(lk)
+        assert lk.lookup(b"a", "r1") == MISS
+        lk.lookup(b"b", "r1")
+        lk.flush()
+        settled(lk)
+        assert lk.lookup(b"b", "r1") == HIT
+    finally:
+        lk.shutdown()
