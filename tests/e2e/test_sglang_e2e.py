@@ -5,6 +5,8 @@ dynamic loader."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from types import SimpleNamespace
 
@@ -313,3 +315,56 @@ def test_clear_forgets_the_engines_pages_in_l2_and_l3_and_no_other_namespaces(da
     assert r.batch_exists(keys) == 4
     counters = daemon.ctl("stats")["counters"]
     assert counters["backup.lost"] == 0
+
+
+def test_a_daemon_killed_mid_traffic_is_misses_then_hits_again_by_itself(daemon, sgl):
+    # SGLang's storage threads keep calling while the daemon dies (SIGKILL: no goodbye) and comes back:
+    # nothing raises, a get answers pages byte for byte or misses (never other bytes), and hits come back
+    # without any call from SGLang beyond its usual ones.
+    src, dst = make_pool(sgl, pages=72, seed=31), make_pool(sgl, pages=72)
+    keys = keys_for(31, 64)
+    w, r = backend(daemon.socket, src), backend(daemon.socket, dst)
+    assert w.batch_set_v1(keys[:8], indices(list(range(1, 9)))) == [True] * 8
+    assert daemon.ctl("flush")["flushed"]
+    stop, errors, hits_after = threading.Event(), [], []
+    restarted = threading.Event()
+
+    def writer() -> None:
+        i = 8
+        while not stop.is_set():
+            try:
+                w.batch_set_v1(keys[i : i + 4], indices(list(range(i + 1, i + 5))))
+            except BaseException as e:  # noqa: BLE001 - any exception would kill SGLang's thread
+                errors.append(e)
+            i = 8 if i + 4 >= 64 else i + 4
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                got = r.batch_get_v1(keys[:8], indices(list(range(1, 9))))
+                for n, ok in enumerate(got):
+                    if ok and sgl.raw_page_bytes(dst, n + 1) != sgl.raw_page_bytes(src, n + 1):
+                        errors.append(AssertionError(f"page {n + 1}: other bytes"))
+                if restarted.is_set() and all(got):
+                    hits_after.append(True)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+    threads = [threading.Thread(target=fn) for fn in (writer, reader)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        daemon.stop(signal.SIGKILL)
+        time.sleep(0.5)
+        daemon.start()
+        restarted.set()
+        deadline = time.monotonic() + 15
+        while not hits_after and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[:3]
+    assert hits_after, "the adapter did not come back to hits by itself"
