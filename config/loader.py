@@ -312,6 +312,12 @@ def validate(cfg: Config) -> None:
     )
     _positive(st, "storage", "operation_timeout", "drain_timeout")
     _positive(st.breaker, "storage.breaker", "failures", "probe_interval", "probe_max_interval")
+    if st.breaker.stall_timeout < 0:
+        raise ConfigError("storage.breaker.stall_timeout", "must be 0 (off) or a duration")
+    if st.breaker.slow_factor != 0 and st.breaker.slow_factor <= 1:
+        raise ConfigError("storage.breaker.slow_factor", "must be 0 (off) or more than 1")
+    if not 0.0 < st.max_unbacked_fraction <= 1.0:
+        raise ConfigError("storage.max_unbacked_fraction", "must be more than 0 and at most 1")
     _positive(st.retry, "storage.retry", "attempts", "max")
     if not 0.0 <= st.retry.jitter <= 1.0:
         raise ConfigError("storage.retry.jitter", "must be between 0 and 1")

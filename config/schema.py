@@ -18,6 +18,7 @@ Backend = Literal["none", "file", "redis", "s3"]
 WritePolicy = Literal["write_through", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+BacklogFull = Literal["drop_oldest", "refuse"]
 
 # Bound on the backend calls in flight per direction and on the file backend's I/O threads: each is a task or
 # a thread that a reload starts at once, and a typo of a few digits must not stall the daemon.
@@ -146,6 +147,14 @@ class BreakerConfig:
     # While detached, the backend is probed with backoff between these bounds and re-attached once it answers.
     probe_interval: Duration = 1.0
     probe_max_interval: Duration = 30.0
+    # A backend with calls in flight that finishes none of them for this long is stalled (a hung server, a
+    # partition, a disk that stopped answering): detached at once, its calls in flight abandoned (their
+    # pages are misses or stay in L2), and probed as after failures. 0: only time-outs and failures count.
+    stall_timeout: Duration = 2.0
+    # A call that has run this many times longer than that kind of call's recent typical time (and at least
+    # stall_timeout) counts as one failure of the breaker's `failures` in a row: a backend that has become
+    # far slower than itself is detached once its slow calls keep coming; one slow call is not. 0: off.
+    slow_factor: float = 20.0
 
 
 @dataclass
@@ -176,6 +185,13 @@ class StorageConfig:
     prefetch_queue_pages: int = 65536
     # Keys of pages evicted from L2 that are known to be in L3: stored again, they are not written again.
     known_in_l3_keys: int = 262144
+    # Write-through: pages acknowledged but not yet in L3 hold their slots (they cannot be evicted). Past this
+    # share of the pool, when_backlog_full decides: "drop_oldest" stops holding the oldest of them for L3
+    # (they stay in L2 as any page, counted as backup.dropped; backed up after all if the backend catches
+    # up while they are still in L2), so that L2 keeps taking new pages whatever L3 does; "refuse" answers
+    # new stores False instead. Write-back holds no page for L3 (pages are in L2 only by design).
+    max_unbacked_fraction: float = 0.5
+    when_backlog_full: BacklogFull = "drop_oldest"
     operation_timeout: Duration = 10.0
     # A swapped-out backend may finish the calls it has in flight for this long before it is closed.
     drain_timeout: Duration = 30.0

@@ -139,6 +139,9 @@ class Connector(abc.ABC):
     def __init__(self) -> None:
         # Counted by reason: "corrupt.checksum", "errors.timeout", ... Read by `stats`.
         self.counters: collections.Counter[str] = collections.Counter()
+        # Pieces of work the store has finished so far (objects, jobs), bumped within calls: what tells the
+        # daemon's stall watch that a long call still moves. A call that ends counts as progress anyway.
+        self.progress = 0
         # Each connector probes under a key of its own: nodes that share a store (Redis, S3) and probe it
         # at once must not delete each other's probe object between its write and its read.
         self._probe_key = f"probe-{secrets.token_hex(8)}"

@@ -689,6 +689,8 @@ class FileConnector(Connector):
             for s in self._parts(views)
         ]
         waits = [asyncio.wrap_future(job, loop=loop) for job in jobs]
+        for wait in waits:
+            wait.add_done_callback(self._progressed)
         try:
             async with asyncio.timeout(self._timeout):
                 await asyncio.wait(waits)  # never cancels them: a job in flight still owns its buffers
@@ -714,6 +716,9 @@ class FileConnector(Connector):
             out.extend(job.result())
         return out
 
+    def _progressed(self, _: object) -> None:
+        self.progress += 1  # a job of a call ended (Connector.progress)
+
     def _parts(self, views: list[memoryview]) -> list[slice]:
         """A batch cut into jobs, in order: at most one an io thread, each of _JOB_MIN_BYTES or more."""
         n = len(views)
@@ -736,6 +741,7 @@ class FileConnector(Connector):
         try:
             for submit, args in calls:
                 future = loop.create_future()
+                future.add_done_callback(self._progressed)
                 submit(future, *args)
                 self._in_engines += 1
                 jobs.append((submit.__self__, future))

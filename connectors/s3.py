@@ -188,7 +188,9 @@ class S3Connector(Connector):
                 if errors:
                     return None
                 try:
-                    return await fn(key, arg)
+                    result = await fn(key, arg)
+                    self.progress += 1
+                    return result
                 except Exception as e:  # kept apart from results that are exceptions themselves
                     errors.append(e)
                     return None

@@ -303,7 +303,11 @@ def test_write_back_reaches_l3_on_shutdown(daemon_factory):
 
 def test_eviction_brings_pages_back_from_l3(daemon_factory):
     # 16 MiB of pool for 64 MiB of pages: most must be evicted after their backup, and read back from L3.
-    d = daemon_factory({"pool": {"capacity": "16MiB", "slab_size": "2MiB"}})
+    # when_backlog_full = "refuse": a store is answered False while L3 is behind, so that every page
+    # acknowledged reaches L3 (the default, drop_oldest, lets the oldest go to keep taking new ones).
+    d = daemon_factory(
+        {"pool": {"capacity": "16MiB", "slab_size": "2MiB"}, "storage": {"when_backlog_full": "refuse"}}
+    )
     page = 256 * 1024
     keys, pages = keys_for(10, 256), make_pages(10, 256, page)
     with Client(d.socket, "evict.ns", page) as c:

@@ -37,8 +37,7 @@ async def make_tiers(tmp_path, connector="file", capacity="8MiB", attempts=3, **
 
 async def close_tiers(t: Tiers) -> None:
     await t.stop()
-    if t.connector is not None:
-        await t.connector.close()
+    await t.backend.close()  # the connector attached, or the one its breaker detached and probes
     t.pool.close()
 
 

@@ -135,6 +135,7 @@ class PageIndex:
         # Pages not yet in L3, queued for backup or not: counted as update() re-files them, so that stats
         # and metrics need no walk over every entry (147 ms for 512K entries).
         self.dirty_pages = 0
+        self.dirty_bytes = 0  # their slots' bytes: the pool held for L3 (storage.max_unbacked_fraction)
         self.evictable_bytes = 0
         self.reserved = 0  # slots set aside for connections' next stores, under no key yet
         self.reserved_bytes = 0
@@ -142,6 +143,10 @@ class PageIndex:
         # Called with the entries that leave the index (evicted, aborted, failed fill): a list, so that a
         # full pool's evictions for a whole request are told in one call.
         self.on_remove: Callable[[list[Entry]], None] = lambda entries: None
+        # Called with the bytes still wanted when nothing more can be evicted for an allocation: it may make
+        # pages evictable (Tiers: the oldest pages waiting for L3, past storage.max_unbacked_fraction) and
+        # returns how many it did; the allocation then tries eviction once more.
+        self.on_short: Callable[[int], int] = lambda nbytes: 0
 
     def get(self, ns: str, key: str) -> Entry | None:
         d = self._by_ns.get(ns)
@@ -178,6 +183,7 @@ class PageIndex:
         if entry.counted_dirty:
             entry.counted_dirty = False
             self.dirty_pages -= 1
+            self.dirty_bytes -= entry.cls.slot_bytes
         self._count -= 1
 
     def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
@@ -232,6 +238,7 @@ class PageIndex:
         (give_back) before anything else allocates: until then the slot belongs to no entry."""
         cls = self.size_class(page_bytes)
         out = self.alloc.alloc_many(cls, n)
+        short = True  # on_short not asked yet
         while len(out) < n:
             share = self.alloc.fair_share(cls)
             if len(cls.slabs) < share and self._steal_slab(cls, share):
@@ -244,6 +251,10 @@ class PageIndex:
             if self._steal_slab(cls, share):
                 out += self.alloc.alloc_many(cls, n - len(out))
                 continue
+            if short:
+                short = False
+                if self.on_short((n - len(out)) * cls.slot_bytes):
+                    continue
             self.counters["alloc_failures"] += 1
             break
         return cls, out
@@ -330,6 +341,7 @@ class PageIndex:
         if entry.dirty != entry.counted_dirty:
             entry.counted_dirty = entry.dirty
             self.dirty_pages += 1 if entry.dirty else -1
+            self.dirty_bytes += entry.cls.slot_bytes if entry.dirty else -entry.cls.slot_bytes
         if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
             lru = self._lru.get(entry.cls)
             if lru is None:

@@ -3,8 +3,9 @@ in flight (so a swap can drain the old backend), and trips a circuit breaker aft
 
 Swap: the new connector is started and probed first; then new work goes to it at once, calls in flight
 on the old one finish (bounded by storage.drain_timeout) and the old one is closed. Breaker: after
-storage.breaker.failures consecutive failed calls the backend is detached, the daemon serves from L2, and
-the backend is probed with backoff until it answers, then re-attached.
+storage.breaker.failures consecutive failed calls, or as soon as it stalls (calls in flight, none finished
+for storage.breaker.stall_timeout), the backend is detached, the daemon serves from L2, and the backend is
+probed with backoff until it answers, then re-attached.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ T = TypeVar("T")
 
 # Upper bounds of the latency histogram buckets, in seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# How a kind of call's typical time is kept: an exponentially weighted mean of its successful calls, each new
+# one weighing this much, used once there were this many.
+_TYPICAL_WEIGHT = 0.1
+_TYPICAL_SAMPLES = 8
 
 
 class _Pending:
@@ -38,6 +43,18 @@ class _Pending:
 
     async def close(self) -> None:
         """Nothing to release: no connector was built."""
+
+
+class _Call:
+    """A backend call in flight."""
+
+    __slots__ = ("conn", "op", "start", "counted")
+
+    def __init__(self, conn: Connector, op: str, start: float) -> None:
+        self.conn = conn
+        self.op = op
+        self.start = start
+        self.counted = False  # counted as a slow call already
 
 
 class Histogram:
@@ -76,6 +93,17 @@ class Backend:
         # pages in L2 that are not in L3 yet.
         self.on_attach: Callable[[Connector], None] = lambda c: None
         self.on_detach: Callable[[], None] = lambda: None
+        # The calls in flight on each connector (by task: a stall abandons them), with when and what they are.
+        self._calls: dict[asyncio.Task, _Call] = {}
+        self._abandoned: set[asyncio.Task] = set()  # cancelled by a stall; their call raises "stalled"
+        # When a call to the current connector last finished or moved (Connector.progress), or it came.
+        self._progress = time.monotonic()
+        self._seen = 0  # the current connector's progress when last looked at
+        self._typical: dict[str, tuple[float, int]] = {}  # op -> (typical seconds, calls it is made of)
+        self._watch_task: asyncio.Task[None] | None = None
+        # Why the backend is not attached, and since when (wall clock): for ctl status and the metrics.
+        self.why = ""
+        self.since = 0.0
 
     @property
     def name(self) -> str:
@@ -87,7 +115,9 @@ class Backend:
             return "attached"
         if isinstance(self.tripped, _Pending):
             return "starting"
-        return "breaker_open" if self.tripped is not None else "detached"
+        if self.tripped is None:
+            return "detached"
+        return "stalled" if self.why.startswith("stalled") else "breaker_open"
 
     async def call(self, op: str, fn: Callable[[Connector], Awaitable[T]], timeout: float | None = None) -> T:
         """Runs `fn` on the current connector, bounded by `timeout` (default storage.operation_timeout)."""
@@ -96,7 +126,10 @@ class Backend:
             raise BackendUnavailable("none", "no L3 backend is attached", "detached")
         key = id(conn)
         self._inflight[key] += 1
+        task = asyncio.current_task()
         start = time.perf_counter()
+        if task is not None:
+            self._calls[task] = _Call(conn, op, time.monotonic())
         try:
             async with asyncio.timeout(self.cfg.storage.operation_timeout if timeout is None else timeout):
                 result = await fn(conn)
@@ -108,17 +141,95 @@ class Backend:
         except BackendError as e:
             self._failure(conn, e.reason)
             raise
+        except asyncio.CancelledError:
+            if task not in self._abandoned:
+                raise
+            self._abandoned.discard(task)
+            if task.uncancel():  # cancelled by its caller too: that one stands
+                raise
+            # The stall cancelled it, not its caller: the caller hears of a failed call.
+            self.counters[f"backend.failures.{conn.name}.stalled"] += 1
+            raise BackendUnavailable(conn.name, f"{op} abandoned: the backend stalled", "stalled") from None
         else:
-            self._failures = 0
+            if conn is self.current:
+                self._failures = 0
+                self._typical_add(op, time.perf_counter() - start)
             return result
         finally:
-            self.latency[(conn.name, op)].observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.latency[(conn.name, op)].observe(seconds)
+            if task is not None:
+                self._calls.pop(task, None)
+                if task in self._abandoned:  # the connector made the stall's cancel an error of its own
+                    self._abandoned.discard(task)
+                    task.uncancel()
+            if conn is self.current:
+                self._progress = time.monotonic()
             self._inflight[key] -= 1
             if not self._inflight[key]:
                 del self._inflight[key]
                 ev = self._idle.pop(key, None)
                 if ev is not None:
                     ev.set()
+
+    def _typical_add(self, op: str, seconds: float) -> None:
+        mean, n = self._typical.get(op, (seconds, 0))
+        self._typical[op] = (mean + _TYPICAL_WEIGHT * (seconds - mean) if n else seconds, n + 1)
+
+    def start(self) -> None:
+        """Starts watching the calls in flight for a stall (storage.breaker.stall_timeout) and for calls far
+        slower than usual (storage.breaker.slow_factor)."""
+        if self._watch_task is None:
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch(), name="backend-watch")
+
+    async def _watch(self) -> None:
+        while True:
+            br = self.cfg.storage.breaker  # read each turn: a reload may change it
+            await asyncio.sleep(min(0.25, br.stall_timeout / 8) if br.stall_timeout > 0 else 0.25)
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        """One look at the current connector's calls in flight: a stall detaches it; each call past
+        slow_factor times its kind's typical time counts once as a failure."""
+        conn = self.current
+        if conn is None:
+            return
+        if conn.progress != self._seen:  # a long call still moves: pieces of it ended
+            self._seen, self._progress = conn.progress, now
+        br = self.cfg.storage.breaker
+        calls = [(t, c) for t, c in self._calls.items() if c.conn is conn]
+        if not calls:
+            return
+        oldest = min(c.start for _, c in calls)
+        quiet = now - max(self._progress, oldest)
+        if br.stall_timeout > 0 and quiet >= br.stall_timeout:
+            self._stalled(conn, len(calls), quiet)
+            return
+        if br.slow_factor <= 0:
+            return
+        for _, c in calls:
+            mean, n = self._typical.get(c.op, (0.0, 0))
+            if c.counted or n < _TYPICAL_SAMPLES:
+                continue
+            age = now - c.start
+            if age >= max(br.stall_timeout, br.slow_factor * mean):
+                c.counted = True
+                why = f"slow: a {c.op} call ran {age:.1f}s, {age / mean:.0f}x its recent {mean * 1e3:.0f} ms"
+                self._failure(conn, "slow", why)
+                if self.current is not conn:
+                    return
+
+    def _stalled(self, conn: Connector, calls: int, quiet: float) -> None:
+        """Detaches a backend that finished none of its calls in flight for stall_timeout, and abandons those
+        calls: their callers get a failed call now (pages read are misses, pages written stay in L2) rather
+        than at operation_timeout."""
+        self.counters["backend.stalls"] += 1
+        why = f"stalled: {calls} calls in flight, none finished in {quiet:.1f}s"
+        self._trip(conn, why)
+        for task, c in list(self._calls.items()):
+            if c.conn is conn and not task.done():
+                self._abandoned.add(task)
+                task.cancel()
 
     def note_location(self, conn: Connector) -> None:
         location = conn.location()
@@ -127,26 +238,27 @@ class Backend:
                 self.epoch += 1
             self._location = location
 
-    def _failure(self, conn: Connector, reason: str) -> None:
+    def _failure(self, conn: Connector, reason: str, detail: str = "") -> None:
         self.counters[f"backend.failures.{conn.name}.{reason}"] += 1
         if conn is not self.current:
             return
         self._failures += 1
         if self._failures >= self.cfg.storage.breaker.failures:
-            self.counters["backend.breaker_trips"] += 1
-            log.error(
-                "L3 backend %s failed %d calls in a row (last: %s); detached: serving from L2, probing it",
-                conn.name,
-                self._failures,
-                reason,
-            )
-            self._failures = 0
-            self.current = None
-            self.tripped = conn
-            self.on_detach()
-            self._probe_task = asyncio.get_running_loop().create_task(
-                self._until_usable(conn, lambda: self._reprobe(conn))
-            )
+            self._trip(conn, f"failed {self._failures} calls in a row (last: {detail or reason})")
+
+    def _trip(self, conn: Connector, why: str) -> None:
+        """The breaker opens: `conn` is detached, the daemon serves from L2, and `conn` is probed with backoff
+        until it answers (then re-attached)."""
+        self.counters["backend.breaker_trips"] += 1
+        log.error("L3 backend %s %s; detached: serving from L2, probing it", conn.name, why)
+        self._failures = 0
+        self.current = None
+        self.tripped = conn
+        self.why, self.since = why, time.time()
+        self.on_detach()
+        self._probe_task = asyncio.get_running_loop().create_task(
+            self._until_usable(conn, lambda: self._reprobe(conn))
+        )
 
     async def _reprobe(self, conn: Connector) -> Connector:
         await conn.probe(timeout=self.cfg.storage.operation_timeout)
@@ -156,6 +268,7 @@ class Backend:
         """The configured backend could not start: serve from L2 and keep trying to build, start and
         probe a new connector with backoff; attach the first one that answers."""
         token = self.tripped = _Pending(first_error)
+        self.why, self.since = f"not started: {first_error}", time.time()
 
         async def fresh() -> Connector:
             conn = factory()
@@ -189,8 +302,7 @@ class Backend:
                 return
             log.info("L3 backend %s answers; attached", conn.name)
             self.tripped = None
-            self.note_location(conn)
-            self.current = conn
+            self._attaching(conn)
             self.counters["backend.reattached"] += 1
             self.on_attach(conn)
             return
@@ -213,16 +325,25 @@ class Backend:
                 raise
         old = self.current or (self.tripped if isinstance(self.tripped, Connector) else None)
         await self._stop_probing()
-        if new is not None:
-            self.note_location(new)
-        self.current = new
         self._failures = 0
-        if new is None:
-            self.on_detach()
+        if new is not None:
+            self._attaching(new)
         else:
+            self.current = None
+            self.why, self.since = "detached by ctl", time.time()
+            self.on_detach()
+        if new is not None:
             self.on_attach(new)
         if old is not None and old is not new:
             await self._drain_and_close(old)
+
+    def _attaching(self, conn: Connector) -> None:
+        """`conn` becomes the current backend: its speed is learnt afresh, its silence counted from now."""
+        self.note_location(conn)
+        self.current = conn
+        self.why, self.since = "", 0.0
+        self._typical.clear()
+        self._progress, self._seen = time.monotonic(), conn.progress
 
     async def _drain_and_close(self, old: Connector) -> None:
         key = id(old)
@@ -240,7 +361,15 @@ class Backend:
                 )
         await _close(old)
 
+    async def stop(self) -> None:
+        """Stops watching for stalls (start() undone)."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None
+
     async def close(self) -> None:
+        await self.stop()
         tripped = self.tripped if isinstance(self.tripped, Connector) else None
         await self._stop_probing()
         if tripped is not None:
@@ -250,12 +379,17 @@ class Backend:
             await self._drain_and_close(old)
 
     def stats(self) -> dict:
-        return {
+        out = {
             "name": self.name,
             "state": self.state,
             "inflight": sum(self._inflight.values()),
             "counters": dict(self.current.counters) if self.current else {},
         }
+        if self.current is None:
+            out["why"] = self.why or "no backend configured"
+            if self.since:
+                out["since"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
+        return out
 
 
 async def _close(conn: Connector) -> None:

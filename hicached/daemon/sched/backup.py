@@ -2,7 +2,9 @@
 
 Write-through queues a page as soon as it is committed; write-back queues the oldest dirty pages when the
 pool runs short of reclaimable space, and everything on shutdown. A page that cannot be written after the
-configured attempts is counted and logged once per batch; it then stops holding its slot.
+configured attempts is counted and logged once per batch; it then stops holding its slot. Under
+write-through the pages waiting for L3 are bounded (storage.max_unbacked_fraction): past it the oldest
+queued ones stop holding their slots (drop_oldest).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class Backup:
         # freed); a flush answers False while any is left. Bounded by L2: Tiers drops a page from here when
         # it leaves L2, and counts it lost (backup.lost).
         self.abandoned: set[Entry] = set()
+        # Pages dropped from the queue by the backlog bound (drop_oldest): not in L3, no longer held for it;
+        # queued again as abandoned ones are. Bounded by L2: Tiers drops a page from here when it leaves L2.
+        self.dropped: set[Entry] = set()
 
     @property
     def pending(self) -> int:
@@ -111,6 +116,25 @@ class Backup:
         if n:
             self._idle.clear()
             self._wakeup.set()
+
+    def drop_oldest(self, nbytes: int) -> int:
+        """Stops holding the oldest queued pages for L3 until `nbytes` of slots are no longer held (or none is
+        queued): they leave the queue, stay in L2 as any clean page (evictable) and are remembered in
+        `dropped`. Pages being written are not taken: their call is under way. Returns how many."""
+        queue, update, dropped = self._queue, self.index.update, self.dropped
+        freed = n = 0
+        while queue and freed < nbytes:
+            entry = queue.popleft()[1]
+            entry.queued = False
+            if entry.dirty:
+                entry.dirty = False
+                update(entry)
+                dropped.add(entry)
+                freed += entry.cls.slot_bytes
+                n += 1
+        if not queue and not self.inflight:
+            self._idle.set()
+        return n
 
     async def drain(self, timeout: float) -> bool:
         """Waits until nothing is queued or in flight; False if `timeout` passed first."""

@@ -111,9 +111,14 @@ class Tiers:
         # the metric exists before the first loss.
         self.counters["backup.lost"] = 0
         self._lost_flushed = 0  # backup.lost when the previous flush answered
+        self._gone_flushed = 0  # backup.dropped_gone then
+        self.counters["backup.dropped"] = 0
+        self._dropped_logged = 0  # backup.dropped at the last log line about it
+        self._dropped_log_next = 0.0
         self._lost_logged = 0  # backup.lost at the last log line about it
         self._lost_log_next = 0.0  # time.monotonic() from which the next loss is logged
         self.index.on_remove = self._removed
+        self.index.on_short = self._backlog_full
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
         self.backup = Backup(
@@ -166,17 +171,20 @@ class Tiers:
     def _removed(self, entries: list[Entry]) -> None:
         """Pages leaving L2 (it runs for the pages a full pool evicts): those in L3 are remembered; those owed
         to L3 that never reached it (dirty, given up by the backup, stranded without a backend) are lost."""
-        abandoned, stranded = self.backup.abandoned, self.stranded
+        abandoned, stranded, dropped = self.backup.abandoned, self.stranded, self.backup.dropped
         at_risk = bool(abandoned or stranded)
         bound = self.cfg.storage.known_in_l3_keys
         known = self.known_in_l3
-        lost = 0
+        lost = gone = 0
         for entry in entries:
             owed = entry.dirty
             if at_risk and (entry in abandoned or entry in stranded):
                 abandoned.discard(entry)
                 stranded.discard(entry)
                 owed = True
+            if dropped and entry in dropped:  # counted when dropped (backup.dropped), not lost
+                dropped.discard(entry)
+                gone += not entry.in_l3
             if entry.in_l3:
                 if bound > 0:
                     k = (entry.ns, entry.key)
@@ -191,6 +199,8 @@ class Tiers:
                 known.popitem(last=False)
         if lost:
             self._lose(lost)
+        if gone:
+            self.counters["backup.dropped_gone"] += gone
 
     def _lose(self, n: int) -> None:
         """Counts `n` pages lost, and logs it: at once, then at most once a minute (what came meanwhile is
@@ -230,9 +240,10 @@ class Tiers:
                 n += 1
             elif other_store:
                 entry.in_l3 = False
-        # Every page stranded or given up that is still in L2 is dirty again (or in L3 after all).
+        # Every page stranded, given up or dropped that is still in L2 is dirty again (or in L3 after all).
         self.stranded.clear()
         self.backup.abandoned.clear()
+        self.backup.dropped.clear()
         if n:
             log.info("queued %d pages that are not in L3 yet for %s", n, connector.name)
 
@@ -250,6 +261,7 @@ class Tiers:
         return self.cfg.storage.write_policy == "write_back"
 
     def start(self) -> None:
+        self.backend.start()
         self.backup.start()
         self.prefetcher.start()
         if self.write_back:
@@ -261,6 +273,7 @@ class Tiers:
             await asyncio.gather(self._writeback_task, return_exceptions=True)
         await self.prefetcher.stop()
         await self.backup.stop()
+        await self.backend.stop()
 
     def set_policy(self, was_write_back: bool) -> None:
         """Follow a change of storage.write_policy made by a reload."""
@@ -283,11 +296,12 @@ class Tiers:
             abandoned = self.backup.abandoned
             self.stranded.difference_update([e for e in self.stranded if e.in_l3 or e in abandoned])
             return not self.not_in_l3()
-        for entry in self.backup.abandoned:
+        for entry in itertools.chain(self.backup.abandoned, self.backup.dropped):
             if self.index.live(entry) and entry.state == READY and not entry.in_l3 and not entry.dirty:
                 entry.dirty = True
                 self.index.update(entry)
         self.backup.abandoned.clear()
+        self.backup.dropped.clear()
         failed = self.counters["backup.failed"]
         self.backup.submit_many(list(self.index.dirty.values()))
         drained = await self.backup.drain(timeout)
@@ -306,11 +320,15 @@ class Tiers:
         done = await self.flush_dirty(timeout)
         total = self.counters["backup.lost"]
         lost, self._lost_flushed = total - self._lost_flushed, total
+        total = self.counters["backup.dropped_gone"]
+        gone, self._gone_flushed = total - self._gone_flushed, total
         return {
-            "flushed": done and not lost,
+            "flushed": done and not lost and not gone,
             "backup_pending": self.backup.pending,
             "not_in_l3": self.not_in_l3(),
             "lost": lost,
+            # Pages dropped by the backlog bound (storage.when_backlog_full) that left L2 before reaching L3.
+            "dropped": gone,
         }
 
     # Sessions.
@@ -372,6 +390,8 @@ class Tiers:
         through = self.connector is not None and not self.write_back
         held = len(s.writing) + len(s.copying)
         room = self.backup.queue_pages - self.backup.pending - held if through else n
+        if through and self.cfg.storage.when_backlog_full == "refuse":
+            room = min(room, self._backlog_room(s.page_bytes) - held)
         get = self.index.ns_entries(s.ns).get
         given_up = self.backup.abandoned if self.connector is not None else ()
         retry: list[Entry] = []
@@ -501,6 +521,44 @@ class Tiers:
         if self.write_back and self.index.reclaimable_fraction() < self.cfg.pool.writeback_low_watermark:
             self._pressure.set()
 
+    def _backlog_limit(self) -> float:
+        """Bytes of slots that pages waiting for L3 may hold (write-through): max_unbacked_fraction."""
+        return self.cfg.storage.max_unbacked_fraction * self.index.alloc.capacity
+
+    def _backlog_room(self, page_bytes: int) -> int:
+        """Under when_backlog_full = "refuse": how many more pages of `page_bytes` may wait for L3."""
+        return max(0, int(self._backlog_limit() - self.index.dirty_bytes) // slot_size(page_bytes))
+
+    def _backlog_full(self, nbytes: int) -> int:
+        """The pool has no slot left to free for `nbytes` of new pages (index.on_short). Under write-through
+        with drop_oldest, while the pages waiting for L3 hold more than storage.max_unbacked_fraction of the
+        pool, the oldest of them stop holding their slots until they are within it: the pool takes new pages
+        whatever L3 does. Nothing is dropped while a slot is free or evictable: a backend that is only
+        behind for a burst loses nothing. Counted, and logged once a minute. Returns how many."""
+        over = self.index.dirty_bytes - self._backlog_limit()
+        if over <= 0 or self.write_back or self.cfg.storage.when_backlog_full != "drop_oldest":
+            return 0
+        n = self.backup.drop_oldest(int(over))
+        if not n:
+            return 0
+        self.counters["backup.dropped"] += n
+        now = time.monotonic()
+        if now >= self._dropped_log_next:
+            total = self.counters["backup.dropped"]
+            log.warning(
+                "L3 (%s) is behind: %d pages waiting for it stopped being held in L2 since %s, the oldest "
+                "first (storage.max_unbacked_fraction = %g; they stay in L2 until evicted, and are backed up "
+                "if the backend catches up first); %d in all (backup.dropped)",
+                self.backend.name,
+                total - self._dropped_logged,
+                "the last report" if self._dropped_logged else "start",
+                self.cfg.storage.max_unbacked_fraction,
+                total,
+            )
+            self._dropped_logged = total
+            self._dropped_log_next = now + _LOST_LOG_INTERVAL_S
+        return n
+
     # Store from reserved slots: reserve (ahead, answered while the engine copies) -> the engine writes
     # the bytes into slots it already holds -> put binds each slot to its key. A store then waits on
     # one round trip (the put), not two; the reserve is refilled in the background of the next copies.
@@ -540,6 +598,9 @@ class Tiers:
         status = []
         backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
         held = len(s.writing) + len(s.copying)  # slots of this connection on their way to the queue too
+        room = self.backup.queue_pages - self.backup.pending - held
+        if through and self.cfg.storage.when_backlog_full == "refuse":
+            room = min(room, self._backlog_room(s.page_bytes) - held)
         given_up = self.backup.abandoned if self.connector is not None else ()
         retry: list[Entry] = []
         for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
@@ -551,7 +612,7 @@ class Tiers:
                         retry.append(entry)
                 status.append(PUT_PRESENT)
                 continue
-            if through and self.backup.pending + len(backup) + held >= self.backup.queue_pages:
+            if through and len(backup) >= room:
                 self.counters["store.busy"] += 1
                 status.append(PUT_BUSY)
                 continue
@@ -865,6 +926,7 @@ class Tiers:
         entry.dirty = False
         entry.in_l3 = False
         self.backup.abandoned.discard(entry)
+        self.backup.dropped.discard(entry)
         self.stranded.discard(entry)
         if entry.pinned:
             entry.pinned = False

@@ -468,6 +468,10 @@ class Daemon:
                 "config": self.config_path or "",
             }
         )
+        backend = self.tiers.backend.stats()
+        if "why" in backend:  # not attached: why, and since when (a stall, failures, ctl, not started yet)
+            out["backend_why"] = backend["why"]
+            out["backend_since"] = backend.get("since", "")
         return out
 
     def status_line(self) -> str:

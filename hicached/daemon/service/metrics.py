@@ -44,6 +44,12 @@ _COUNTERS = {
     "backend.swaps": ("hicached_backend_swaps_total", {"outcome": "ok"}),
     "backend.swap_failures": ("hicached_backend_swaps_total", {"outcome": "failed"}),
     "backend.breaker_trips": ("hicached_breaker_trips_total", {}),
+    # Breaker trips because the backend stalled (calls in flight, none finished in stall_timeout).
+    "backend.stalls": ("hicached_backend_stalls_total", {}),
+    # Pages that stopped being held in L2 for L3 by the backlog bound (storage.when_backlog_full), and of
+    # those, the ones that left L2 before reaching L3.
+    "backup.dropped": ("hicached_backup_dropped_pages_total", {}),
+    "backup.dropped_gone": ("hicached_backup_dropped_gone_pages_total", {}),
 }
 
 
@@ -103,6 +109,7 @@ class DaemonCollector(Collector):
             ("hicached_pool_pages", "Pages in L2", len(idx.entries)),
             ("hicached_pool_reserved_bytes", "L2 bytes in slots held ahead for stores", idx.reserved_bytes),
             ("hicached_pool_dirty_pages", "Pages in L2 not yet in L3", idx.dirty_pages),
+            ("hicached_pool_unbacked_bytes", "L2 bytes held for pages not yet in L3", idx.dirty_bytes),
             ("hicached_backup_queue_pages", "Pages queued or being written to L3", tiers.backup.pending),
             ("hicached_prefetch_queue_pages", "Pages queued or being read from L3", tiers.prefetcher.pending),
             ("hicached_connections", "Engine connections", len(d.server.connections) if d.server else 0),
@@ -113,6 +120,11 @@ class DaemonCollector(Collector):
         )
         attached.add_metric([tiers.backend.name, tiers.backend.state], 1 if tiers.connector else 0)
         yield attached
+        yield GaugeMetricFamily(
+            "hicached_backend_detached_since_seconds",
+            "Unix time since the L3 backend is not attached (0 while attached); why: ctl status",
+            value=0.0 if tiers.connector else tiers.backend.since,
+        )
         reloads = CounterMetricFamily("hicached_reloads", "Configuration reloads", labels=["outcome"])
         for outcome, n in d.reloads.items():
             reloads.add_metric([outcome], n)

@@ -72,14 +72,26 @@ async def test_pages_given_up_then_evicted_are_lost_once_and_flush_reports_them_
         assert not await t.flush_dirty(10)  # the disk refuses them: given up
         assert t.counters["backup.failed"] == 3 and t.counters["backup.lost"] == 0
         answer = await t.flush(10)
-        assert answer == {"flushed": False, "backup_pending": 0, "not_in_l3": 3, "lost": 0}  # at risk
+        assert answer == {
+            "flushed": False,
+            "backup_pending": 0,
+            "not_in_l3": 3,
+            "lost": 0,
+            "dropped": 0,
+        }  # at risk
         await push_out(t, "ok.ns", 80)  # a pool of 64 pages: the given-up ones go first
         assert all(t.index.get(BAD, k) is None for k in "abc")
         assert t.counters["backup.lost"] == 3 and not t.backup.abandoned
         answer = await t.flush(10)
-        assert answer == {"flushed": False, "backup_pending": 0, "not_in_l3": 0, "lost": 3}
+        assert answer == {"flushed": False, "backup_pending": 0, "not_in_l3": 0, "lost": 3, "dropped": 0}
         # Reported once: the next flush answers what was lost since.
-        assert await t.flush(10) == {"flushed": True, "backup_pending": 0, "not_in_l3": 0, "lost": 0}
+        assert await t.flush(10) == {
+            "flushed": True,
+            "backup_pending": 0,
+            "not_in_l3": 0,
+            "lost": 0,
+            "dropped": 0,
+        }
         assert t.counters["backup.lost"] == 3
     finally:
         await close_tiers(t)
@@ -116,7 +128,13 @@ async def test_dirty_pages_of_a_detached_backend_are_lost_only_if_evicted_before
         await t.backend.attach(None)  # detached (as by ctl, or an open breaker)
         assert t.index.stats()["dirty"] == 0 and t.stranded and t.not_in_l3() == 4
         # At risk, not lost yet: no backend to write them to, and flushed must not be claimed for them.
-        assert await t.flush(10) == {"flushed": False, "backup_pending": 0, "not_in_l3": 4, "lost": 0}
+        assert await t.flush(10) == {
+            "flushed": False,
+            "backup_pending": 0,
+            "not_in_l3": 4,
+            "lost": 0,
+            "dropped": 0,
+        }
         write(t, s, ["e"])  # stored while none is attached: owed to the configured backend too
         assert t.not_in_l3() == 5
         await push_out(t, "ns2", 80)  # evicts the oldest: a..e first
@@ -127,7 +145,13 @@ async def test_dirty_pages_of_a_detached_backend_are_lost_only_if_evicted_before
         assert answer["lost"] == evicted and not answer["flushed"]
         # The backend returns: the pages still in L2 are written, and are not lost when they leave.
         await t.backend.attach(FileConnector(cfg_for(tmp_path)), probe=False)
-        assert await t.flush(10) == {"flushed": True, "backup_pending": 0, "not_in_l3": 0, "lost": 0}
+        assert await t.flush(10) == {
+            "flushed": True,
+            "backup_pending": 0,
+            "not_in_l3": 0,
+            "lost": 0,
+            "dropped": 0,
+        }
         await push_out(t, "ns3", 80)
         assert t.counters["backup.lost"] == evicted
     finally:
@@ -143,7 +167,13 @@ async def test_flush_with_no_backend_attached(tmp_path):
         await t.backend.attach(None)
         # Given up, then detached: still at risk, and a flush with no backend says so (it used to answer
         # flushed: true whenever nothing was dirty, which a detach makes so).
-        assert await t.flush(10) == {"flushed": False, "backup_pending": 0, "not_in_l3": 2, "lost": 0}
+        assert await t.flush(10) == {
+            "flushed": False,
+            "backup_pending": 0,
+            "not_in_l3": 2,
+            "lost": 0,
+            "dropped": 0,
+        }
     finally:
         await close_tiers(t)
 
@@ -154,7 +184,13 @@ async def test_l2_only_by_configuration_owes_nothing_to_l3(tmp_path):
         write(t, session(t, "ns1"), ["a", "b"])
         await push_out(t, "ns2", 80)
         assert t.index.counters["evictions"] > 0 and t.counters["backup.lost"] == 0
-        assert await t.flush(10) == {"flushed": True, "backup_pending": 0, "not_in_l3": 0, "lost": 0}
+        assert await t.flush(10) == {
+            "flushed": True,
+            "backup_pending": 0,
+            "not_in_l3": 0,
+            "lost": 0,
+            "dropped": 0,
+        }
     finally:
         await close_tiers(t)
 
