@@ -60,14 +60,18 @@ class Lookups:
         self._thread.start()
 
     def lookup(self, key: bytes, req_id: str) -> Answer:
-        self._drain()
+        if self._posted:
+            self._drain()
         probe = self._probes.get(key)
         if probe is None:
             probe = self._probes[key] = _Probe(self._generation)
             self._generation += 1
             self._batch.append((key, probe.generation))
         probe.requests.add(req_id)
-        self._req_keys.setdefault(req_id, set()).add(key)
+        keys = self._req_keys.get(req_id)
+        if keys is None:
+            keys = self._req_keys[req_id] = set()
+        keys.add(key)
         if probe.found is not None:
             return Answer.HIT if probe.found else Answer.MISS
         if req_id not in probe.retried:
@@ -120,11 +124,8 @@ class Lookups:
         self._drain()
 
     def _drain(self) -> None:
-        while True:
-            try:
-                answers = self._done.get_nowait()
-            except queue.Empty:
-                return
+        while not self._done.empty():  # one reader (the lock's holder): not empty stays not empty
+            answers = self._done.get_nowait()
             self._posted -= 1
             for key, generation, found in answers:
                 probe = self._probes.get(key)
