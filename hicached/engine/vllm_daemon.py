@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hicached.common.errors import CONNECTION, NOT_FOUND, TIMEOUT, HicachedError
+from hicached.common.errors import CONNECTION, COPY_FAILED, NOT_FOUND, TIMEOUT, HicachedError
 from hicached.engine.client import Client, control
 from hicached.engine.ops import Op
 from hicached.engine.vllm_rows import RegionFile, daemon_keys, daemon_pages, namespace, row_parts
@@ -21,6 +21,7 @@ logger = logging.getLogger("hicached.engine.vllm")
 
 DEFAULT_SLAB_BYTES = 32 << 20  # the daemon's default pool.slab_size, if its stats do not say
 _RECONNECT_MAX_S = 30.0
+_DROP = (CONNECTION, COPY_FAILED, NOT_FOUND)
 MAX_KEYS = 4096  # per request: well under server.max_keys_per_request and server.max_frame
 
 T = TypeVar("T")
@@ -170,12 +171,9 @@ class Daemon:
         except Exception as e:
             code = e.code if isinstance(e, HicachedError) else type(e).__name__
             # CONNECTION: the daemon went away. TIMEOUT: a late answer may hold what only closing the
-            # connection gives back. NOT_FOUND: the region was dropped (its file shrank). Connect afresh.
-            if (
-                code in (CONNECTION, NOT_FOUND)
-                or (code == TIMEOUT and drop_on_timeout)
-                or isinstance(e, OSError)
-            ):
+            # connection gives back. COPY_FAILED, NOT_FOUND: the daemon dropped the region (its file shrank).
+            # Connect afresh, registering the region again.
+            if code in _DROP or (code == TIMEOUT and drop_on_timeout) or isinstance(e, OSError):
                 self.drop(conn)
             self.log_once(f"{what}:{code}", "%s failed (%s)", what, e)
             return default

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -108,6 +109,8 @@ def test_the_same_trace_into_the_fs_tier_and_hicached_gives_the_same_answers_and
     # The tier answered each key RETRY once at most, then settled (the fs tier may retry more).
     for key, answers in readers["hicached"].tier_answers.items():
         assert answers[0] in (RETRY, HIT, MISS) and answers[1:].count(RETRY) == 0, (key.hex(), answers)
+    for e in (writers["hicached"], readers["hicached"]):  # each job reported once (vLLM asserts it too)
+        assert len({r.job_id for r in e.job_results}) == len(e.job_results)
     row = readers["hicached"].row
     loads = readers["hicached"].job_results
     assert sum(r.transfer_bytes for r in loads) == 13 * row and all(r.success for r in loads)
@@ -291,3 +294,73 @@ def test_stats_are_declared_and_split_loads_by_tier(daemon, engines):
     got = counters(stats)
     assert got[L2_LOADED] == 5 and got.get(L3_LOADED, 0) == 0 and got[REACHABLE] == 1
     assert counters(b.tier.get_stats()).get(L2_LOADED, 0) == 0  # handed over once
+
+
+def test_blocks_are_shared_only_within_a_namespace(daemon, engines):
+    keys = chain_keys("tenant", 3)
+    a = engines("ns-a", [hicached_tier(daemon.socket, namespace_prefix="tenant-a")])
+    ctx = a.request("a")
+    a.store(ctx, keys)
+    a.settle()
+    a.finish(ctx)
+    assert a.tier.namespace.startswith("tenant-a.org-model-x.")
+    others = {
+        "another tenant": engines("ns-b", [hicached_tier(daemon.socket, namespace_prefix="tenant-b")]),
+        "another dtype": engines(
+            "ns-c", [hicached_tier(daemon.socket, namespace_prefix="tenant-a")], dtype="fp8"
+        ),
+        "the same rows": engines("ns-d", [hicached_tier(daemon.socket, namespace_prefix="tenant-a")]),
+    }
+    found = {}
+    for name, e in others.items():
+        ctx = e.request(name)
+        found[name] = e.lookups(ctx, keys)
+        e.finish(ctx)
+    assert found == {"another tenant": [MISS] * 3, "another dtype": [MISS] * 3, "the same rows": [HIT] * 3}
+
+
+def test_lookups_never_wait_on_a_stopped_daemon(daemon, engines):
+    """SIGSTOP: the daemon takes requests but answers none. The scheduler's lookups still return at once
+    (RETRY, then MISS a step later, counted as late); once it runs again, the tier answers from it."""
+    e = engines("stopped", [hicached_tier(daemon.socket)])
+    keys = chain_keys("stopped", 4)
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        ctx = e.request("r1")
+        with e.manager.lock:
+            assert [e.manager.lookup(k, ctx) for k in keys] == [RETRY] * 4
+        e.step()  # the step's batch goes to the daemon, which does not answer
+        with e.manager.lock:
+            assert [e.manager.lookup(k, ctx) for k in keys] == [MISS] * 4
+            assert e.tier.has_pending_work()
+        e.finish(ctx)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    e.settle()
+    assert counters(e.tier.get_stats())["vllm:kv_offload_hicached_late_lookups"] == 4
+    ctx = e.request("r2")
+    e.store(ctx, keys)
+    e.settle()
+    assert e.job_results[-1].success
+    e.finish(ctx)
+
+
+def test_vllms_region_shrinking_under_the_daemon_fails_jobs_not_the_daemon(daemon, engines):
+    e = engines("shrinks", [hicached_tier(daemon.socket)])
+    path, size = e.spec._scheduler_mmap.mmap_path, e.spec.num_chunks * e.row
+    ctx = e.request("r1")
+    with e.manager.lock:
+        out = e.manager.prepare_store(chain_keys("shrinks", 4), ctx)
+    os.truncate(path, 4096)  # nothing in this process touches the rows until the size is back
+    try:
+        with e.manager.lock:
+            e.manager.complete_store(out.keys_to_store, ctx)
+        e.settle()
+    finally:
+        os.truncate(path, size)
+    assert [r.success for r in e.job_results] == [False] and daemon.alive
+    assert "shrank under the daemon" in daemon.log()
+    e.store(ctx, chain_keys("after", 4))  # the tier registers the region again and goes on
+    e.settle()
+    e.finish(ctx)
+    assert e.job_results[-1].success
