@@ -604,3 +604,28 @@ def flatten_value(cfg: Config, key: str) -> Any:
     from hicached.config.diff import flatten
 
     return flatten(cfg)[key]
+
+
+@pytest.mark.parametrize(
+    "raw, path",
+    [
+        ({"storage": {"breaker": {"stall_timeout": "-1s"}}}, "storage.breaker.stall_timeout"),
+        ({"storage": {"breaker": {"slow_factor": 1}}}, "storage.breaker.slow_factor"),
+        ({"storage": {"breaker": {"slow_factor": -3}}}, "storage.breaker.slow_factor"),
+        ({"storage": {"max_unbacked_fraction": 0}}, "storage.max_unbacked_fraction"),
+        ({"storage": {"max_unbacked_fraction": 1.5}}, "storage.max_unbacked_fraction"),
+        ({"storage": {"when_backlog_full": "block"}}, "storage.when_backlog_full"),
+    ],
+)
+def test_stall_and_backlog_keys_out_of_range_name_the_key(raw: dict, path: str) -> None:
+    assert _error(raw).path == path
+
+
+def test_stall_and_backlog_defaults_and_off_switches() -> None:
+    st = from_dict({}).storage
+    assert (st.breaker.stall_timeout, st.breaker.slow_factor) == (2.0, 20.0)
+    assert (st.max_unbacked_fraction, st.when_backlog_full) == (0.5, "drop_oldest")
+    off = from_dict(
+        {"storage": {"breaker": {"stall_timeout": 0, "slow_factor": 0}, "when_backlog_full": "refuse"}}
+    )
+    assert (off.storage.breaker.stall_timeout, off.storage.breaker.slow_factor) == (0.0, 0.0)

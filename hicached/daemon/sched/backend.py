@@ -110,6 +110,11 @@ class Backend:
         return self.current.name if self.current else "none"
 
     @property
+    def configured(self) -> str:
+        """The backend's name whether attached or detached by the breaker (name says "none" then)."""
+        return self.tripped.name if isinstance(self.tripped, Connector) else self.name
+
+    @property
     def state(self) -> str:
         if self.current is not None:
             return "attached"

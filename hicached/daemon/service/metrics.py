@@ -118,7 +118,7 @@ class DaemonCollector(Collector):
         attached = GaugeMetricFamily(
             "hicached_backend_attached", "1 when an L3 backend is attached", labels=["backend", "state"]
         )
-        attached.add_metric([tiers.backend.name, tiers.backend.state], 1 if tiers.connector else 0)
+        attached.add_metric([tiers.backend.configured, tiers.backend.state], 1 if tiers.connector else 0)
         yield attached
         yield GaugeMetricFamily(
             "hicached_backend_detached_since_seconds",

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import time
+from types import SimpleNamespace
 
 from hicached.connectors.base import BackendUnavailable
 from hicached.connectors.file import FileConnector
@@ -15,6 +17,7 @@ from tiers_rig import cfg_for, close_tiers, make_tiers, session, write
 from hicached import config
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.tiers import Tiers
+from hicached.daemon.service.metrics import MetricsServer
 
 
 class StallingFile(FileConnector):
@@ -94,6 +97,12 @@ async def test_a_stalled_backend_is_detached_and_reattached_and_l2_keeps_taking_
         stats = t.backend.stats()
         assert stats["why"].startswith("stalled: ") and "since" in stats
         assert t.counters["backend.stalls"] == 1 and t.counters["backend.breaker_trips"] == 1
+        # The metrics say so too: state, since when, how often.
+        text = MetricsServer(SimpleNamespace(tiers=t, server=None, reloads={})).render().decode()
+        assert 'hicached_backend_attached{backend="file",state="stalled"} 0.0' in text
+        assert "hicached_backend_stalls_total 1.0" in text
+        since = re.search(r"^hicached_backend_detached_since_seconds (\S+)$", text, re.M)
+        assert since and abs(float(since.group(1)) - time.time()) < 60
         # The put in flight was abandoned: its pages stopped holding their slots (owed to L3, stranded).
         await until(lambda: t.backup.pending == 0)
         assert t.index.dirty_pages == 0 and len(t.stranded) == 10
