@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
@@ -48,7 +49,8 @@ CONNECTS = "vllm:kv_offload_hicached_connects"
 REACHABLE = "vllm:kv_offload_hicached_daemon_reachable"
 
 _ANSWERS = {Answer.HIT: LookupResult.HIT, Answer.MISS: LookupResult.MISS, Answer.RETRY: LookupResult.RETRY}
-_LOAD, _STORE, _STOP = 0, 1, 2  # queue priorities: promotions first, they hold a request back
+_LOAD, _STORE, _STOP = 0, 1, 2
+Keys = tuple[OffloadKey, ...]  # queue priorities: promotions first, they hold a request back
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class HicachedTier(SecondaryTierManager):
     raises: with the daemon down, lookups miss and jobs fail, and the daemon is used again once it is back.
 
     Tier config keys: `socket` (required: the daemon's socket path), `namespace_prefix` (a tenant's
-    prefix, default none), `timeout_s`, `reconnect_s`, `io_threads`, `locality` (default LOCAL).
+    prefix, default none), `timeout_s`, `reconnect_s`, `io_threads`, `locality` (default LOCAL),
+    `enable_kv_events` (BlockStored events for what it stored, when vLLM's KV events are on).
 
     `medium` is CPU: what the daemon serves comes out of its host-memory L2 (a block only in L3 is read
     into L2 by the daemon first), so vLLM counts these hits as host hits; get_stats splits them by tier.
@@ -90,6 +93,7 @@ class HicachedTier(SecondaryTierManager):
         reconnect_s: float = DEFAULT_RECONNECT_S,
         io_threads: int = DEFAULT_IO_THREADS,
         locality: str | None = None,
+        enable_kv_events: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -98,6 +102,14 @@ class HicachedTier(SecondaryTierManager):
         if timeout_s <= 0 or reconnect_s <= 0 or int(io_threads) < 1:
             raise ValueError("timeout_s and reconnect_s must be positive, io_threads at least 1")
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
+        self._events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                logger.warning(
+                    "hicached: enable_kv_events is set but vLLM's KV cache events are off; no events"
+                )
         num_rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         region = region_file(offloading_spec, primary_kv_view)
         self._daemon = Daemon(
@@ -113,7 +125,8 @@ class HicachedTier(SecondaryTierManager):
         self._lookups = Lookups(self._daemon.present, f"hicached_lookup_{tier_type}")
         self._jobs: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._finished: queue.SimpleQueue[tuple[JobResult, tuple[OffloadKey, ...]]] = queue.SimpleQueue()
+        # A finished job: its result, the keys a failed load marks missed, the keys a store put in the tier.
+        self._finished: queue.SimpleQueue[tuple[JobResult, Keys, Keys]] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._outstanding = 0  # jobs submitted whose result is not yet queued
         self._counts = {L2_LOADED: 0, L3_LOADED: 0}
@@ -182,15 +195,23 @@ class HicachedTier(SecondaryTierManager):
         results = []
         while True:
             try:
-                result, missed = self._finished.get_nowait()
+                result, missed, stored = self._finished.get_nowait()
             except queue.Empty:
                 return results
+            if stored and self._events is not None:
+                self._events.append(OffloadingEvent(list(stored), self.medium, False, self.locality))
             if missed:
                 try:
                     self._lookups.mark_miss(missed)
                 except Exception:
                     logger.exception("hicached: marking failed loads as misses failed")
             results.append(result)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """BlockStored events for the blocks this tier stored (with enable_kv_events, as the fs tier)."""
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
 
     def has_pending_work(self) -> bool:
         with self._cv:
@@ -268,8 +289,8 @@ class HicachedTier(SecondaryTierManager):
 
     # -- I/O threads ----------------------------------------------------------------------------------
 
-    def _done(self, result: JobResult, missed: tuple[OffloadKey, ...]) -> None:
-        self._finished.put((result, missed))
+    def _done(self, result: JobResult, missed: Keys = (), stored: Keys = ()) -> None:
+        self._finished.put((result, missed, stored))
         with self._cv:
             self._outstanding -= 1
             if not self._outstanding:
@@ -286,9 +307,10 @@ class HicachedTier(SecondaryTierManager):
             except Exception:  # a bug: the job still ends, once, as a failure
                 logger.exception("hicached: job %s failed", job.job_id)
             finally:
-                self._done(result, missed)
+                stored = job.keys if result.success and not job.load else ()
+                self._done(result, missed, stored)
 
-    def _run(self, job: _Job) -> tuple[JobResult, tuple[OffloadKey, ...]]:
+    def _run(self, job: _Job) -> tuple[JobResult, Keys]:
         start = time.perf_counter()
         row = self.block_size_bytes
         if not job.load:

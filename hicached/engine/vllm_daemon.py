@@ -21,6 +21,7 @@ logger = logging.getLogger("hicached.engine.vllm")
 
 DEFAULT_SLAB_BYTES = 32 << 20  # the daemon's default pool.slab_size, if its stats do not say
 _RECONNECT_MAX_S = 30.0
+REGISTER_TIMEOUT_S = 600.0
 _DROP = (CONNECTION, COPY_FAILED, NOT_FOUND)
 MAX_KEYS = 4096  # per request: well under server.max_keys_per_request and server.max_frame
 
@@ -143,7 +144,12 @@ class Daemon:
             pages = self.num_rows * parts
             if self._fd < 0:
                 raise HicachedError(CONNECTION, "the tier was shut down")
-            handle = client.register_region(self._fd, part_bytes, segments, num_pages=pages)
+            # The daemon maps and prefaults the whole region before it answers: seconds for a large one.
+            client.timeout = max(self.timeout_s, REGISTER_TIMEOUT_S)
+            try:
+                handle = client.register_region(self._fd, part_bytes, segments, num_pages=pages)
+            finally:
+                client.timeout = self.timeout_s
         except BaseException:
             with contextlib.suppress(Exception):
                 client.close()

@@ -18,7 +18,7 @@ import pytest
 vllm_spec = pytest.importorskip(
     "vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33 is not installed (.ci/run installs it)"
 )
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm_rig import Engine, chain_keys, fs_tier, hicached_tier, row_bytes_of  # noqa: E402
 
@@ -364,3 +364,17 @@ def test_vllms_region_shrinking_under_the_daemon_fails_jobs_not_the_daemon(daemo
     e.settle()
     e.finish(ctx)
     assert e.job_results[-1].success
+
+
+def test_stored_blocks_are_announced_as_kv_events_when_asked(daemon, engines):
+    e = engines("events", [hicached_tier(daemon.socket, enable_kv_events=True)], events=True)
+    keys = chain_keys("events", 3)
+    ctx = e.request("r")
+    e.store(ctx, keys)
+    e.settle()
+    e.finish(ctx)
+    with e.manager.lock:
+        ours = [ev for ev in e.manager.take_events() if ev.medium is Medium.CPU and ev.locality is not None]
+    assert [(ev.keys, ev.removed, ev.locality) for ev in ours] == [(keys, False, Locality.LOCAL)]
+    with e.manager.lock:
+        assert not [ev for ev in e.manager.take_events() if ev.locality is not None]  # taken once

@@ -53,6 +53,7 @@ def offloading_config(
     dtype: str = "bfloat16",
     tokens: int = 16,
     groups: int = 1,
+    events: bool = False,
 ) -> OffloadingConfig:
     row = worker_bytes * world_size
     aligned = -(-row // 4096) * 4096
@@ -62,7 +63,7 @@ def offloading_config(
             for g in range(groups)
         ),
         worker_kv_bytes_per_block=worker_bytes,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": chunks * aligned, "secondary_tiers": [dict(t) for t in tiers]},
         engine_id=engine_id,
         model=OffloadingModelConfig(name=model, dtype=dtype),
