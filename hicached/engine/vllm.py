@@ -111,14 +111,15 @@ class HicachedTier(SecondaryTierManager):
                     "hicached: enable_kv_events is set but vLLM's KV cache events are off; no events"
                 )
         num_rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
-        region = region_file(offloading_spec, primary_kv_view)
+        prefix, fields = check_prefix(namespace_prefix), row_fields(offloading_spec, self.block_size_bytes)
+        region = region_file(offloading_spec, primary_kv_view)  # last: its fd is ours to close from here
         self._daemon = Daemon(
             socket,
             region,
             num_rows,
             self.block_size_bytes,
-            row_fields(offloading_spec, self.block_size_bytes),
-            check_prefix(namespace_prefix),
+            fields,
+            prefix,
             float(timeout_s),
             float(reconnect_s),
         )
