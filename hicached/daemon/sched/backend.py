@@ -191,7 +191,10 @@ class Backend:
         while True:
             br = self.cfg.storage.breaker  # read each turn: a reload may change it
             await asyncio.sleep(min(0.25, br.stall_timeout / 8) if br.stall_timeout > 0 else 0.25)
-            self.check(time.monotonic())
+            try:
+                self.check(time.monotonic())
+            except Exception:  # a bug here must not end the watch for the daemon's lifetime
+                log.exception("the backend's stall watch failed a look; it goes on")
 
     def check(self, now: float) -> None:
         """One look at the current connector's calls in flight: a stall detaches it; each call past
@@ -229,7 +232,7 @@ class Backend:
         calls: their callers get a failed call now (pages read are misses, pages written stay in L2) rather
         than at operation_timeout."""
         self.counters["backend.stalls"] += 1
-        why = f"stalled: {calls} calls in flight, none finished in {quiet:.1f}s"
+        why = f"stalled: {calls} calls in flight, none finished or moved in {quiet:.1f}s"
         self._trip(conn, why)
         for task, c in list(self._calls.items()):
             if c.conn is conn and not task.done():
