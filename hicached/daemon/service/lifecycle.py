@@ -16,12 +16,13 @@ from hicached.common.errors import BACKEND_UNAVAILABLE, BAD_REQUEST, HicachedErr
 from hicached.config import Config
 from hicached.config.diff import plan
 from hicached.connectors import BackendError, Connector, build
-from hicached.daemon.l2.pool import Pool, available_memory, check_capacity
+from hicached.daemon.l2 import keep
+from hicached.daemon.l2.pool import Pool, available_memory, check_capacity, check_kept_fd
 from hicached.daemon.sched import warmup
 from hicached.daemon.sched.tiers import Tiers
 from hicached.daemon.server.listener import Server
 from hicached.daemon.service.metrics import MetricsServer
-from hicached.daemon.service.notify import Notifier, watchdog_interval
+from hicached.daemon.service.notify import Notifier, fd_store_max, take_passed, watchdog_interval
 
 log = logging.getLogger("hicached.daemon")
 
@@ -57,6 +58,7 @@ class Daemon:
         # is read: nothing is written over it then.
         self._warm_pending: list[warmup.WarmPage] | None = None
         self._snapshot_task: asyncio.Task[Any] | None = None
+        self.restored: keep.Restored | None = None  # L2 taken back from systemd's fd store at start
 
     # Lifecycle.
 
@@ -64,22 +66,43 @@ class Daemon:
         if self.should_exit is None:
             self.should_exit = asyncio.Event()
         cfg = self.cfg
-        await self._memory_for_pool()
-        try:
-            self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
-        except MemoryError as e:
-            raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
+        kept = self._take_kept()
+        snapshot = None
+        if kept is not None:
+            self.pool, snapshot = kept
+        else:
+            await self._memory_for_pool()
+            try:
+                self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
+            except MemoryError as e:
+                raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
         self.tiers = Tiers(cfg, self.pool, None)
         self.tiers.start()
+        if snapshot is not None:
+            # Before the backend attaches (which queues the kept pages not in L3 yet) and before the socket
+            # listens (a page is served only once verified).
+            r = self.restored = await keep.restore(self.tiers, self.pool, snapshot)
+            log.info(
+                "L2 kept over the restart: %d pages served again after %.2fs of verifying; %d did not verify "
+                "and were dropped (keep.dropped); %d are owed to L3 and queued for it",
+                r.pages,
+                r.seconds,
+                r.dropped,
+                r.owed,
+            )
         await self._attach_configured(startup=True)
+        if self.restored is not None:
+            keep.after_attach(self.tiers, self.restored)
         self.server = Server(cfg, self.tiers, control=self._control_handlers())
         await self.server.start(listen_sock)
         self._serving = True
         if cfg.metrics.listen:
             self.metrics = MetricsServer(self)
             await self.metrics.start(cfg.metrics.listen)
-        if cfg.warmup.enabled:
+        if cfg.warmup.enabled and not (self.restored is not None and not self.restored.dropped):
+            # After a kept L2 the warm list only has to bring back pages that did not verify (those in L2
+            # are found there and cost nothing); with none dropped there is nothing to bring back.
             self._spawn(self._warmup())
         else:
             self._warm_pending = []
@@ -92,6 +115,71 @@ class Daemon:
         if self._reload_pending:
             self._reload_pending = False
             self._spawn(self.reload())
+
+    def _take_kept(self) -> tuple[Pool, keep.Snapshot] | None:
+        """The previous daemon's pool and index snapshot, passed back by systemd's fd store, when they
+        describe a pool of this configuration and verify; None otherwise (one log line says why)."""
+        pool_fds, index_fds = take_passed(keep.POOL_FDNAME), take_passed(keep.INDEX_FDNAME)
+        if not pool_fds and not index_fds:
+            return None
+        # Whatever comes of them, systemd's copies go: a later start (after a crash) must not be handed a
+        # pool with a snapshot that no longer describes it, nor keep its memory while this daemon has its own.
+        for name in keep.FDNAMES:
+            self.notifier.remove_stored_fd(name)
+        p = self.cfg.pool
+        try:
+            if len(pool_fds) != 1 or len(index_fds) != 1:
+                raise ValueError(
+                    f"{len(pool_fds)} pool fds and {len(index_fds)} index fds were passed, not 1 each"
+                )
+            check_kept_fd(pool_fds[0], p.capacity)
+            snapshot = keep.decode(keep.read_fd(index_fds[0]))
+            keep.check(snapshot, p.capacity, p.slab_size, os.fstat(pool_fds[0]).st_ino)
+            fd = pool_fds.pop()
+            return Pool(p.capacity, prefault=p.prefault, fd=fd), snapshot
+        except (ValueError, OSError, MemoryError) as e:
+            log.warning(
+                "the L2 pool kept over the restart is not used: %s; starting with a fresh pool (the warm "
+                "list refills it from L3)",
+                e,
+            )
+            return None
+        finally:
+            for fd in pool_fds + index_fds:
+                os.close(fd)
+
+    def _keep_l2(self) -> None:
+        """Hands the pool memfd and a snapshot of its index to systemd's fd store, for the next start to
+        serve the same pages (a planned restart keeps L2). Only under systemd, after a full start-up."""
+        if not self.notifier.enabled or not self._started or self.pool is None or self.tiers is None:
+            return
+        room = fd_store_max()
+        if room is not None and room < len(keep.FDNAMES):
+            log.warning(
+                "the unit's FileDescriptorStoreMax= is %d; keeping L2 over a restart takes %d: L2 not kept",
+                room,
+                len(keep.FDNAMES),
+            )
+            return
+        conn = self.tiers.connector
+        try:
+            snapshot = keep.take(self.tiers, self.pool, repr(conn.location()) if conn is not None else None)
+            fd = keep.to_memfd(keep.encode(snapshot))
+        except OSError as e:
+            log.warning("could not write the snapshot of L2's index (%s): L2 not kept", e)
+            return
+        try:
+            # The index first: a pool stored without it is refused at the next start anyway.
+            if self.notifier.store_fd(keep.INDEX_FDNAME, fd) and self.notifier.store_fd(
+                keep.POOL_FDNAME, self.pool.fd
+            ):
+                log.info(
+                    "L2 (%d pages) and its index handed to the service manager's fd store: kept for the next "
+                    "start if the unit sets FileDescriptorStoreMax=",
+                    len(snapshot.pages),
+                )
+        finally:
+            os.close(fd)
 
     async def _attach_configured(self, startup: bool = False) -> None:
         connector = build(self.cfg)
@@ -237,6 +325,7 @@ class Daemon:
                 )
             await self.tiers.stop()
             self._save_warm_list()
+            self._keep_l2()
             await self.tiers.backend.close()
         if self.pool is not None:
             self.pool.close()

@@ -1,19 +1,27 @@
 """The systemd notify protocol, written with the standard library: datagrams to $NOTIFY_SOCKET.
 
-READY=1, RELOADING=1 with MONOTONIC_USEC, STOPPING=1, STATUS=..., WATCHDOG=1. Without $NOTIFY_SOCKET
-(not under systemd) every call does nothing. Socket activation: the fds from $LISTEN_FDS.
+READY=1, RELOADING=1 with MONOTONIC_USEC, STOPPING=1, STATUS=..., WATCHDOG=1, and the file-descriptor
+store (FDSTORE=1, FDSTOREREMOVE=1). Without $NOTIFY_SOCKET (not under systemd) every call does nothing.
+The fds systemd passes at start ($LISTEN_FDS, $LISTEN_FDNAMES): the activated socket and the stored fds.
 """
 
 from __future__ import annotations
 
+import array
+import fcntl
 import logging
 import os
+import re
 import socket
 import time
+
+from hicached.daemon.l2.keep import FDNAMES
 
 log = logging.getLogger("hicached.notify")
 
 SD_LISTEN_FDS_START = 3
+# What systemd accepts as an FDNAME= (sd_notify(3): at most 255 printable ASCII characters, no colon).
+_FDNAME_RE = re.compile(r"[\x21-\x39\x3b-\x7e]{1,255}")
 # STATUS= is one line of a datagram: a reason quoted from a file or a library is cut to this many characters.
 STATUS_MAX_CHARS = 1024
 
@@ -34,15 +42,38 @@ class Notifier:
     def enabled(self) -> bool:
         return self._sock is not None
 
-    def send(self, *fields: str) -> None:
+    def send(self, *fields: str, fds: list[int] | None = None) -> bool:
+        """Sends one datagram of `fields` (and `fds` with SCM_RIGHTS); False if it could not be sent."""
         if self._sock is None:
-            return
+            return False
+        data = "\n".join(fields).encode()
         try:
-            self._sock.sendto("\n".join(fields).encode(), self._target)
+            if fds:
+                # socket.send_fds drops its address argument (CPython 3.11): sendmsg names the target itself.
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                self._sock.sendmsg([data], rights, 0, self._target)
+            else:
+                self._sock.sendto(data, self._target)
         except OSError as e:
             if not self._failed:  # once: a service manager that went away must not flood the log
                 log.warning("could not notify the service manager at %s: %s", self.address, e)
                 self._failed = True
+            return False
+        return True
+
+    def store_fd(self, name: str, fd: int) -> bool:
+        """Hands `fd` to systemd's file-descriptor store under `name` (the unit needs
+        FileDescriptorStoreMax=); the next start of the service gets it back in $LISTEN_FDS. True if sent."""
+        if not _FDNAME_RE.fullmatch(name):
+            raise ValueError(f"{name!r} is not a name systemd accepts for a stored fd")
+        return self.send("FDSTORE=1", f"FDNAME={name}", fds=[fd])
+
+    def remove_stored_fd(self, name: str) -> bool:
+        """Drops the fds stored under `name` from systemd's store (FDSTOREREMOVE=1): systemd closes its
+        copies, so a later start (after a crash, say) is not handed them again."""
+        if not _FDNAME_RE.fullmatch(name):
+            raise ValueError(f"{name!r} is not a name systemd accepts for a stored fd")
+        return self.send("FDSTOREREMOVE=1", f"FDNAME={name}")
 
     def ready(self, status: str = "") -> None:
         self.send("READY=1", *([f"STATUS={one_line(status)}"] if status else []))
@@ -85,21 +116,68 @@ def watchdog_interval() -> float | None:
         return None
 
 
-def listen_socket() -> socket.socket | None:
-    """The listening Unix socket passed by systemd socket activation, if any ($LISTEN_FDS, $LISTEN_PID)."""
-    if os.environ.get("LISTEN_PID") != str(os.getpid()):
-        return None
+def fd_store_max() -> int | None:
+    """How many fds the unit's store may hold ($FDSTORE, set by systemd >= 254 when FileDescriptorStoreMax=
+    is set); None when systemd does not say (older systemd, or not under systemd)."""
     try:
-        n = int(os.environ.get("LISTEN_FDS", "0"))
+        return int(os.environ["FDSTORE"])
+    except (KeyError, ValueError):
+        return None
+
+
+_passed: dict[str, list[int]] | None = None
+
+
+def passed_fds() -> dict[str, list[int]]:
+    """The fds systemd passed at start, by name ($LISTEN_FDNAMES; "unknown" where it names none), read once:
+    the variables are removed from the environment (children must not take them as theirs) and the fds
+    made close-on-exec, as sd_listen_fds does. Empty when none were passed to this process ($LISTEN_PID)."""
+    global _passed
+    if _passed is not None:
+        return _passed
+    _passed = {}
+    pid, count, names = (os.environ.pop(v, None) for v in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"))
+    if pid != str(os.getpid()):
+        return _passed
+    try:
+        n = int(count or "0")
     except ValueError:
+        log.warning("ignoring fds passed by the service manager: LISTEN_FDS=%r is not a number", count)
+        return _passed
+    labels = names.split(":") if names else []
+    if labels and len(labels) != n:
+        log.warning(
+            "LISTEN_FDNAMES names %d fds but LISTEN_FDS is %d; taking them as unnamed", len(labels), n
+        )
+        labels = []
+    for i in range(n):
+        fd = SD_LISTEN_FDS_START + i
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
+        except OSError:
+            continue  # not open: nothing to take
+        _passed.setdefault(labels[i] if labels else "unknown", []).append(fd)
+    return _passed
+
+
+def take_passed(name: str) -> list[int]:
+    """The fds passed under `name`, now the caller's to close (taken once)."""
+    return passed_fds().pop(name, [])
+
+
+def listen_socket(reserved: tuple[str, ...] = ()) -> socket.socket | None:
+    """The listening Unix socket passed by systemd socket activation, if any ($LISTEN_FDS, $LISTEN_PID):
+    the first passed fd not named in `reserved` (names of fds the daemon stored itself: they stay for
+    take_passed). Other passed fds not reserved are closed: only one socket is used."""
+    reserved = reserved or FDNAMES
+    fds = passed_fds()
+    others = [fd for name in list(fds) if name not in reserved for fd in sorted(fds.pop(name))]
+    if not others:
         return None
-    if n < 1:
-        return None
-    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
-        os.environ.pop(var, None)
-    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    others.sort()
+    sock = socket.socket(fileno=others[0])
+    for fd in others[1:]:
+        os.close(fd)
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
         raise RuntimeError("socket activation passed an fd that is not a listening Unix stream socket")
-    for fd in range(SD_LISTEN_FDS_START + 1, SD_LISTEN_FDS_START + n):
-        os.close(fd)  # only the first socket is used
     return sock
