@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ class SystemdDaemon(DaemonProcess):
     def __init__(self, workdir: str, overrides: dict, store: NotifySocket) -> None:
         super().__init__(workdir, overrides)
         self.store = store
+        self.sockets: list[tuple[str, int]] = []  # activated sockets, passed before the stored fds
 
     def start(self, timeout: float = 60.0) -> SystemdDaemon:
         self.store.drain(
@@ -38,6 +40,7 @@ class SystemdDaemon(DaemonProcess):
         with open(self.log_path, "ab") as log:
             self.proc = self.store.launch(
                 [sys.executable, "-m", "hicached", "serve", "--config", self.config_path],
+                self.sockets + self.store.stored,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
@@ -227,4 +230,29 @@ def test_restarts_in_a_row_and_a_crash(systemd):
     d.start()
     with Client(d.socket, "keep.row", PAGE) as c:
         assert c.get(keys) == []
+    _stop(d)
+
+
+def test_activated_socket_and_kept_pool_together(systemd, tmp_path):
+    """Socket activation and the fd store at once, told apart by LISTEN_FDNAMES: the socket is served, the
+    pool is adopted."""
+    d = systemd({"storage": {"backend": "none"}})
+    keys = [f"k{i}" for i in range(8)]
+    with Client(d.socket, "keep.act", PAGE) as c:
+        assert c.store(keys, [page_of(k, PAGE) for k in keys]) == [True] * len(keys)
+    _stop(d)
+    path = str(tmp_path / "activated.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    d.sockets = [("hicached.socket", listener.fileno())]
+    d.socket = path
+    try:
+        d.start()
+    finally:
+        listener.close()
+    assert "8 pages served again" in d.log(), d.log()
+    assert control(path, "status")["socket"] == path
+    with Client(path, "keep.act", PAGE) as c:
+        assert c.get(keys) == [page_of(k, PAGE) for k in keys]
     _stop(d)
