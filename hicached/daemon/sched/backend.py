@@ -190,9 +190,17 @@ class Backend:
     async def _watch(self) -> None:
         while True:
             br = self.cfg.storage.breaker  # read each turn: a reload may change it
-            await asyncio.sleep(min(0.25, br.stall_timeout / 8) if br.stall_timeout > 0 else 0.25)
+            tick = min(0.25, br.stall_timeout / 8) if br.stall_timeout > 0 else 0.25
+            before = time.monotonic()
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if now - before > 2 * tick + 0.1:
+                # The event loop itself was held up (a CPU-starved node, a long callback): the backend's
+                # answers that came meanwhile wait in the loop's queue behind this look, so its silence says
+                # nothing yet. The next look, after them, decides.
+                continue
             try:
-                self.check(time.monotonic())
+                self.check(now)
             except Exception:  # a bug here must not end the watch for the daemon's lifetime
                 log.exception("the backend's stall watch failed a look; it goes on")
 
