@@ -570,7 +570,7 @@ class Daemon:
         used = sum(c.used * c.slot_bytes for c in idx.alloc.classes.values())
         pct = 100.0 * used / idx.alloc.capacity
         return (
-            f"backend {self.tiers.backend.name} ({self.tiers.backend.state}); "
+            f"backend {self.tiers.backend.configured} ({self.tiers.backend.state}); "
             f"pool {pct:.0f}% of {idx.alloc.capacity >> 20} MiB, {len(idx.entries)} pages; "
             f"pid {os.getpid()}; last reload: {self.last_reload}"
         )
