@@ -133,8 +133,13 @@ class Daemon:
         return conn
 
     def _connect(self) -> Conn:
-        stats = control(self.socket_path, "stats", timeout=self.timeout_s)
-        slab = stats.get("pool", {}).get("slabs", {}).get("slab_bytes") or DEFAULT_SLAB_BYTES
+        try:
+            stats = control(self.socket_path, "stats", timeout=self.timeout_s)
+            slab = stats.get("pool", {}).get("slabs", {}).get("slab_bytes") or DEFAULT_SLAB_BYTES
+        except HicachedError as e:
+            if e.code in (CONNECTION, TIMEOUT):
+                raise
+            slab = DEFAULT_SLAB_BYTES  # a daemon that does not tell: its default; a hello too big says so
         parts = row_parts(self.row_bytes, int(slab))
         part_bytes = self.row_bytes // parts
         ns = namespace(self.prefix, self.fields, part_bytes)
