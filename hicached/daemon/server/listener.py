@@ -45,6 +45,18 @@ Handler = Callable[[Session, dict[str, Any]], Any]
 MAX_FDS = 4  # fds read with a connection's first bytes; region_attach takes exactly one
 
 
+class _Unanswered(dict):
+    """The handlers of a server being handed over: every op is held without an answer until its
+    connection closes (cancelling it); nothing runs."""
+
+    def get(self, op: Any, default: Any = None) -> Handler:
+        return _never_answered
+
+
+def _never_answered(session: Session, req: dict[str, Any]) -> asyncio.Future[Any]:
+    return asyncio.get_running_loop().create_future()
+
+
 class Server:
     def __init__(self, cfg: Config, tiers: Tiers, control: dict[str, Handler] | None = None) -> None:
         self.cfg = cfg
@@ -68,9 +80,11 @@ class Server:
 
     # Lifecycle.
 
-    async def start(self, sock: socket.socket | None = None) -> None:
-        """Listen on the configured path, or on `sock` when one was handed over (socket activation)."""
-        self._owns_path = sock is None  # a socket from systemd stays systemd's: never unlinked
+    async def start(self, sock: socket.socket | None = None, owns_path: bool | None = None) -> None:
+        """Listen on the configured path, or on `sock` when one was handed over (socket activation, or a
+        takeover: `owns_path` then, as the path is the daemon's to remove at its stop)."""
+        # A socket from systemd stays systemd's: never unlinked.
+        self._owns_path = sock is None if owns_path is None else owns_path
         self._lsock = sock if sock is not None else self._bind()
         if sock is not None and isinstance(sock.getsockname(), str) and sock.getsockname():
             self.path = sock.getsockname()
@@ -104,6 +118,45 @@ class Server:
             c.close()
         await asyncio.sleep(0)
         await self.regions.close(timeout)
+
+    async def hand_over(self, timeout: float) -> socket.socket:
+        """Takeover, old side: stop accepting but keep the listening socket open (engines that connect
+        meanwhile wait in its backlog for the next instance), answer the requests already read (bounded by
+        `timeout`) while reading no new one, close every connection, and return the listening socket, no
+        longer this server's: never closed nor unlinked by it."""
+        self.stopping = True
+        sock, self._lsock = self._lsock, None
+        if sock is None:
+            raise RuntimeError("the server is not listening: nothing to hand over")
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        for t in list(self._admitting):
+            t.cancel()  # their engines see the connection close and connect again, to the next instance
+        await asyncio.gather(*self._admitting, return_exceptions=True)
+        # Not `draining`: that answers requests with an error. A request read from now on gets no answer:
+        # its engine sees the connection close and sends it again, to the next instance.
+        self.handlers = _Unanswered()
+        pending = [t for c in self.connections for t in c.tasks]
+        for c in self.connections:
+            if c.transport is not None:
+                with contextlib.suppress(RuntimeError):
+                    c.transport.pause_reading()
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for c in list(self.connections):
+            c.close()
+        # connection_lost releases each session's slots and leases: polled, as nothing signals the last one.
+        for _ in range(int(timeout / 0.01)):
+            if not self.connections:
+                break
+            await asyncio.sleep(0.01)
+        for c in list(self.connections):
+            if c.transport is not None:
+                c.transport.abort()  # a peer that does not read its answers
+        await asyncio.sleep(0)
+        await self.regions.close(timeout)
+        return sock
 
     def _bind(self) -> socket.socket:
         path = self.path

@@ -21,6 +21,7 @@ from hicached.daemon.l2.pool import Pool, available_memory, check_capacity, chec
 from hicached.daemon.sched import warmup
 from hicached.daemon.sched.tiers import Tiers
 from hicached.daemon.server.listener import Server
+from hicached.daemon.service import takeover
 from hicached.daemon.service.metrics import MetricsServer
 from hicached.daemon.service.notify import Notifier, fd_store_max, take_passed, watchdog_interval
 
@@ -59,6 +60,7 @@ class Daemon:
         self._warm_pending: list[warmup.WarmPage] | None = None
         self._snapshot_task: asyncio.Task[Any] | None = None
         self.restored: keep.Restored | None = None  # L2 taken back from systemd's fd store at start
+        self.takeover: takeover.Endpoint | None = None  # where a new instance asks to take over from this one
 
     # Lifecycle.
 
@@ -67,6 +69,43 @@ class Daemon:
             self.should_exit = asyncio.Event()
         cfg = self.cfg
         kept = self._take_kept()
+        handed = None
+        if kept is None and listen_sock is None:
+            # Another instance serving this socket hands it over, with L2 (before this one allocates a pool).
+            path = config.resolve_path(cfg, cfg.server.socket)
+            handed = await takeover.request(path, cfg.pool.capacity, cfg.pool.slab_size)
+        if handed is None:
+            await self._start(kept, listen_sock)
+            return
+        try:
+            kept = self._adopt_kept([handed.pool_fd], [handed.index_fd])
+            listen_sock = handed.listen
+            log.info(
+                "taking over from pid %d: its socket, L2 (%d pages, %d owed to L3) and its index",
+                handed.pid,
+                handed.pages,
+                handed.owed,
+            )
+            await self._start(kept, listen_sock, handed)
+        except BaseException as e:
+            if handed.done:
+                raise
+            # Not confirmed yet: the old instance serves again, from the same socket and L2.
+            await handed.abort(f"{type(e).__name__}: {e}")
+            handed.listen.close()
+            if not isinstance(e, Exception):
+                raise
+            raise takeover.TakeoverError(
+                f"the takeover failed here ({e}); pid {handed.pid} serves again, this instance exits"
+            ) from e
+
+    async def _start(
+        self,
+        kept: tuple[Pool, keep.Snapshot] | None,
+        listen_sock: socket.socket | None,
+        handed: takeover.Handed | None = None,
+    ) -> None:
+        cfg = self.cfg
         snapshot = None
         if kept is not None:
             self.pool, snapshot = kept
@@ -95,8 +134,13 @@ class Daemon:
         if self.restored is not None:
             keep.after_attach(self.tiers, self.restored)
         self.server = Server(cfg, self.tiers, control=self._control_handlers())
-        await self.server.start(listen_sock)
+        if handed is not None:
+            # From here on this instance serves: the old one exits once told, and the path is ours to remove.
+            await handed.confirm()
+        await self.server.start(listen_sock, owns_path=True if handed is not None else None)
         self._serving = True
+        self.takeover = takeover.Endpoint(self, self.server.path)
+        self.takeover.start()
         if cfg.metrics.listen:
             self.metrics = MetricsServer(self)
             await self.metrics.start(cfg.metrics.listen)
@@ -126,6 +170,20 @@ class Daemon:
         # pool with a snapshot that no longer describes it, nor keep its memory while this daemon has its own.
         for name in keep.FDNAMES:
             self.notifier.remove_stored_fd(name)
+        try:
+            return self._adopt_kept(pool_fds, index_fds)
+        except (ValueError, OSError, MemoryError) as e:
+            log.warning(
+                "the L2 pool kept over the restart is not used: %s; starting with a fresh pool (the warm "
+                "list refills it from L3)",
+                e,
+            )
+            return None
+
+    def _adopt_kept(self, pool_fds: list[int], index_fds: list[int]) -> tuple[Pool, keep.Snapshot]:
+        """The pool and index snapshot of a previous instance (systemd's fd store, or a takeover), checked
+        against this configuration and the memfd itself; ValueError, OSError or MemoryError saying why
+        otherwise. Every fd passed is closed or owned by the Pool returned."""
         p = self.cfg.pool
         try:
             if len(pool_fds) != 1 or len(index_fds) != 1:
@@ -137,13 +195,6 @@ class Daemon:
             keep.check(snapshot, p.capacity, p.slab_size, os.fstat(pool_fds[0]).st_ino)
             fd = pool_fds.pop()
             return Pool(p.capacity, prefault=p.prefault, fd=fd), snapshot
-        except (ValueError, OSError, MemoryError) as e:
-            log.warning(
-                "the L2 pool kept over the restart is not used: %s; starting with a fresh pool (the warm "
-                "list refills it from L3)",
-                e,
-            )
-            return None
         finally:
             for fd in pool_fds + index_fds:
                 os.close(fd)
@@ -161,10 +212,8 @@ class Daemon:
                 len(keep.FDNAMES),
             )
             return
-        conn = self.tiers.connector
         try:
-            snapshot = keep.take(self.tiers, self.pool, repr(conn.location()) if conn is not None else None)
-            fd = keep.to_memfd(keep.encode(snapshot))
+            snapshot, fd = self.l2_snapshot()
         except OSError as e:
             log.warning("could not write the snapshot of L2's index (%s): L2 not kept", e)
             return
@@ -180,6 +229,27 @@ class Daemon:
                 )
         finally:
             os.close(fd)
+
+    def l2_snapshot(self) -> tuple[keep.Snapshot, int]:
+        """A snapshot of L2's index, and a sealed memfd holding it (the caller's to close); once nothing
+        changes L2 any more (tiers stopped)."""
+        conn = self.tiers.connector
+        snapshot = keep.take(self.tiers, self.pool, repr(conn.location()) if conn is not None else None)
+        return snapshot, keep.to_memfd(keep.encode(snapshot))
+
+    async def quiesce(self, drain_timeout: float) -> socket.socket:
+        """Takeover, old side: stop serving without refusing anyone (requests in flight are answered, then
+        connections close; engines reconnect to the next instance) and stop everything that changes L2.
+        Returns the listening socket, still open, for the next instance."""
+        if self.metrics is not None:
+            await self.metrics.stop()  # its port is the next instance's
+            self.metrics = None
+        sock = await self.server.hand_over(drain_timeout)
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tiers.stop()
+        return sock
 
     async def _attach_configured(self, startup: bool = False) -> None:
         connector = build(self.cfg)
@@ -298,6 +368,16 @@ class Daemon:
 
     async def shutdown(self) -> None:
         self.notifier.stopping()
+        if self.takeover is not None:
+            self.takeover.close()
+            if self.takeover.handed_to is not None:
+                # Taken over: the socket, L2 and what it owes to L3 are the new instance's. Nothing is flushed
+                # nor written (warm list, fd store): it does that now.
+                await self.tiers.backend.close()
+                self.pool.close()
+                self.notifier.close()
+                log.info("stopped: pid %d serves in this instance's place", self.takeover.handed_to)
+                return
         timeout = self.cfg.shutdown.flush_timeout
         if self.metrics is not None:
             await self.metrics.stop()

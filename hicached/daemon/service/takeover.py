@@ -1,0 +1,426 @@
+"""Takeover without systemd: a new `hicached serve` takes the listening socket, the L2 pool memfd and an
+index snapshot from the instance serving the same socket, over SCM_RIGHTS on `<socket>.takeover`.
+
+The exchange, one msgpack map per SOCK_SEQPACKET message (fds ride with the message they belong to):
+
+    new -> old  hello     {version, format, pool_bytes, slab_bytes, pid}
+    old -> new  offer     the same fields of the old instance, or refused {reason}
+    new -> old  go
+    old -> new  handover  {pages, owed}; fds: listening socket, pool memfd, index snapshot memfd
+    new -> old  serving   (or abort {reason}; or nothing: the old instance then serves again)
+
+Both ends check the other's SO_PEERCRED: only the same uid, or root, takes over or is taken over from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import stat
+import struct
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from hicached.config.units import format_size
+from hicached.daemon.l2 import keep
+
+if TYPE_CHECKING:
+    from hicached.daemon.service.lifecycle import Daemon
+
+log = logging.getLogger("hicached.takeover")
+
+VERSION = 1  # of this exchange; a change that an older instance would misread bumps it
+SUFFIX = ".takeover"  # the endpoint is the main socket's path with this suffix
+SOCKET_FDNAME = "hicached-takeover-socket"  # the listening socket's name when the old instance serves again
+MAX_MESSAGE = 1 << 16
+# Bounds on the peer (no config key: these belong to the exchange, not to an operator's tuning, and
+# config/ is not to grow for them). The offer is a few map lookups: an old instance that takes longer is
+# hung. The hand-over waits for requests in flight (DRAIN_S), stops the backup and prefetch coroutines and
+# encodes the snapshot (~100 bytes a page): HANDOVER_S leaves room for all of it. CONFIRM_S covers the new
+# instance verifying every page (~0.05 s per GiB) and probing its backend before it serves.
+ANSWER_S = 5.0
+DRAIN_S = 10.0
+HANDOVER_S = DRAIN_S + 20.0
+CONFIRM_S = 300.0
+
+
+class TakeoverError(RuntimeError):
+    """The takeover cannot happen; the message (one line) says why. The old instance keeps serving."""
+
+
+class _PeerError(Exception):
+    """The peer broke the exchange: hung, went away, or sent what the exchange does not hold."""
+
+
+def endpoint_path(socket_path: str) -> str:
+    return socket_path + SUFFIX
+
+
+def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """Why an instance described by `theirs` cannot hand its L2 to one described by `mine` (or take it),
+    or None when they fit. Pure: both ends run it on the hello and the offer."""
+    if theirs.get("version") != VERSION:
+        return f"the other instance speaks takeover version {theirs.get('version')!r}, this one {VERSION}"
+    if theirs.get("format") != keep.FORMAT:
+        return f"the other instance's L2 index format is {theirs.get('format')!r}, this one's {keep.FORMAT}"
+    for key, name in (("pool_bytes", "pool.capacity"), ("slab_bytes", "pool.slab_size")):
+        a, b = mine[key], theirs.get(key)
+        if type(b) is not int or a != b:
+            shown = format_size(b) if type(b) is int else repr(b)
+            return f"{name} is {format_size(a)} here and {shown} in the other instance"
+    return None
+
+
+def describe(pool_bytes: int, slab_bytes: int) -> dict[str, Any]:
+    return {
+        "version": VERSION,
+        "format": keep.FORMAT,
+        "pool_bytes": pool_bytes,
+        "slab_bytes": slab_bytes,
+        "pid": os.getpid(),
+    }
+
+
+def _peer_uid(sock: socket.socket) -> tuple[int, int]:
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+def _trusted(uid: int) -> bool:
+    return uid in (os.getuid(), 0)
+
+
+# The exchange on a raw non-blocking socket (an asyncio transport cannot carry fds).
+
+
+async def _ready(sock: socket.socket, timeout: float, write: bool = False) -> bool:
+    """Whether `sock` became readable (writable) within `timeout`."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    (loop.add_writer if write else loop.add_reader)(sock.fileno(), wake)
+    try:
+        await asyncio.wait_for(ready, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(sock.fileno())
+
+
+async def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = msgpack.packb(msg, use_bin_type=True)
+    while True:
+        try:
+            socket.send_fds(sock, [data], fds) if fds else sock.send(data)
+            return
+        except BlockingIOError:
+            if not await _ready(sock, ANSWER_S, write=True):
+                raise _PeerError(f"the peer did not take a message within {ANSWER_S:.0f}s") from None
+        except OSError as e:
+            raise _PeerError(f"the peer went away ({e.strerror})") from None
+
+
+async def _recv(sock: socket.socket, timeout: float, want: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """One message and its fds (exactly `want` of them, or _PeerError), within `timeout`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, max(want, 1))
+            break
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            raise _PeerError(f"the peer went away ({e.strerror})") from None
+        if not await _ready(sock, max(0.0, deadline - loop.time())):
+            raise _PeerError(f"no answer within {timeout:.0f}s")
+    try:
+        if not data:
+            raise _PeerError("the peer closed the connection")
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(fds) != want:
+            raise _PeerError(f"a message came with {len(fds)} fds, not {want}, or was cut")
+        try:
+            msg = msgpack.unpackb(data, raw=False)
+        except Exception as e:
+            raise _PeerError(f"a message does not parse ({e})") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            raise _PeerError("a message is not a map with an op")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return msg, fds
+
+
+# The new instance's side.
+
+
+@dataclass
+class Handed:
+    """What the old instance handed over; the caller owns the fds. `confirm` once serving, `abort` if the
+    start-up fails before: the old instance then serves again."""
+
+    sock: socket.socket  # the exchange
+    listen: socket.socket
+    pool_fd: int
+    index_fd: int
+    pid: int  # of the old instance
+    pages: int
+    owed: int
+    done: bool = False  # confirmed or aborted
+
+    async def confirm(self) -> None:
+        self.done = True
+        with contextlib.suppress(_PeerError):
+            await _send(self.sock, {"op": "serving", "pid": os.getpid()})
+        self.sock.close()
+
+    async def abort(self, reason: str) -> None:
+        self.done = True
+        with contextlib.suppress(_PeerError):
+            await _send(self.sock, {"op": "abort", "reason": reason})
+        self.sock.close()
+
+
+async def request(socket_path: str, pool_bytes: int, slab_bytes: int) -> Handed | None:
+    """Takes over from the instance serving `socket_path`: None when none offers a takeover there (nothing
+    listens on its endpoint), what it handed over otherwise; TakeoverError, with the old instance left
+    serving, when it cannot happen."""
+    path = endpoint_path(socket_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    loop = asyncio.get_running_loop()
+    try:
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, path), ANSWER_S)
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            return None  # nobody to take over from: an ordinary start (which refuses a live socket)
+        except TimeoutError:
+            raise TakeoverError(f"{path} did not accept the takeover within {ANSWER_S:.0f}s") from None
+        except OSError as e:
+            raise TakeoverError(f"cannot reach the takeover endpoint {path}: {e.strerror}") from None
+        pid, uid = _peer_uid(sock)
+        if not _trusted(uid):
+            raise TakeoverError(f"the takeover endpoint {path} is served by uid {uid} (pid {pid}), not by us")
+        mine = describe(pool_bytes, slab_bytes)
+        try:
+            await _send(sock, {"op": "hello", **mine})
+            offer, _ = await _recv(sock, ANSWER_S)
+            if offer["op"] == "refused":
+                raise TakeoverError(f"the daemon (pid {pid}) refused the takeover: {offer.get('reason')}")
+            why = mismatch(mine, offer) if offer["op"] == "offer" else f"it answered {offer['op']!r}"
+            if why is not None:
+                raise TakeoverError(f"cannot take over from the daemon (pid {pid}): {why}")
+            await _send(sock, {"op": "go"})
+            msg, fds = await _recv(sock, HANDOVER_S, want=3)
+        except _PeerError as e:
+            raise TakeoverError(f"the daemon (pid {pid}) did not hand over: {e}") from None
+        if msg["op"] != "handover":
+            for fd in fds:
+                os.close(fd)
+            raise TakeoverError(f"the daemon (pid {pid}) answered {msg['op']!r} instead of handing over")
+        listen = socket.socket(fileno=fds[0])
+        if listen.family != socket.AF_UNIX or listen.type != socket.SOCK_STREAM:
+            listen.close()
+            os.close(fds[1])
+            os.close(fds[2])
+            raise TakeoverError("the daemon handed over an fd that is not a listening Unix stream socket")
+        return Handed(sock, listen, fds[1], fds[2], pid, int(msg.get("pages", 0)), int(msg.get("owed", 0)))
+    except TakeoverError as e:
+        sock.close()
+        raise TakeoverError(f"{e}; the running daemon serves on, this instance exits") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+# The old instance's side.
+
+
+class Endpoint:
+    """Listens on `<socket>.takeover` while the daemon serves, and hands the daemon over to the first
+    trusted instance that fits it."""
+
+    def __init__(self, daemon: Daemon, socket_path: str) -> None:
+        self.daemon = daemon
+        self.path = endpoint_path(socket_path)
+        self._lsock: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._busy = False
+        self.handed_to: int | None = None  # pid of the instance that took over
+
+    def start(self) -> None:
+        """Binds the endpoint, with the main socket's mode (SO_PEERCRED decides who may take over). A
+        daemon that cannot bind it serves on without it (one log line)."""
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                    os.unlink(self.path)  # a previous instance's, that it did not remove
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            old = os.umask(0o777 & ~self.daemon.cfg.server.socket_mode)
+            try:
+                sock.bind(self.path)
+            except BaseException:
+                sock.close()
+                raise
+            finally:
+                os.umask(old)
+            sock.listen(4)
+            sock.setblocking(False)
+        except OSError as e:
+            log.warning("takeover endpoint %s not available (%s): no takeover without systemd", self.path, e)
+            return
+        self._lsock = sock
+        self._task = asyncio.get_running_loop().create_task(self._accept_loop(), name="takeover")
+
+    def close(self) -> None:
+        """No more takeovers (shutdown, or one under way): the next instance binds the path again."""
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        if self._lsock is not None:
+            self._lsock.close()
+            self._lsock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[None]] = set()
+        while self._lsock is not None:
+            try:
+                conn, _ = await loop.sock_accept(self._lsock)
+            except OSError as e:
+                log.warning("takeover endpoint: accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            t = loop.create_task(self._serve(conn))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+    async def _refuse(self, conn: socket.socket, pid: int, reason: str) -> None:
+        log.warning("refused a takeover from pid %d: %s; serving on", pid, reason)
+        with contextlib.suppress(_PeerError):
+            await _send(conn, {"op": "refused", "reason": reason})
+        conn.close()
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            pid, uid = _peer_uid(conn)
+        except OSError:
+            conn.close()
+            return
+        if not _trusted(uid):
+            await self._refuse(
+                conn, pid, f"uid {uid} may not take over this daemon (only uid {os.getuid()} or 0)"
+            )
+            return
+        d = self.daemon
+        try:
+            hello, _ = await _recv(conn, ANSWER_S)
+        except _PeerError as e:
+            log.warning("takeover from pid %d abandoned before it began: %s; serving on", pid, e)
+            conn.close()
+            return
+        if self._busy or d.should_exit.is_set() or d.tiers is None:
+            await self._refuse(conn, pid, "the daemon is already being taken over or stopping")
+            return
+        mine = describe(d.pool.size, d.cfg.pool.slab_size)
+        why = (
+            mismatch(mine, hello)
+            if hello["op"] == "hello"
+            else f"the exchange opens with hello, not {hello['op']!r}"
+        )
+        if why is not None:
+            await self._refuse(conn, pid, why)
+            return
+        self._busy = True
+        try:
+            await _send(conn, {"op": "offer", **mine})
+            go, _ = await _recv(conn, ANSWER_S)
+            if go["op"] != "go":
+                raise _PeerError(f"it answered {go['op']!r} to the offer")
+        except _PeerError as e:
+            log.warning("takeover from pid %d abandoned before the hand-over: %s; serving on", pid, e)
+            self._busy = False
+            conn.close()
+            return
+        await self._hand_over(conn, pid)
+
+    async def _hand_over(self, conn: socket.socket, pid: int) -> None:
+        d = self.daemon
+        log.info("pid %d takes over: no longer accepting; answering the requests in flight", pid)
+        self.close()
+        try:
+            lsock = await d.quiesce(DRAIN_S)
+            snap, snap_fd = d.l2_snapshot()
+        except Exception:
+            # A bug: nothing was handed over. The new instance hears the connection close and exits; this one
+            # stops as on SIGTERM (its final flush writes what is owed to L3).
+            log.exception("the hand-over to pid %d failed; stopping", pid)
+            conn.close()
+            d.should_exit.set()
+            return
+        owed = sum(p.owed for p in snap.pages)
+        try:
+            await _send(
+                conn,
+                {"op": "handover", "pages": len(snap.pages), "owed": owed},
+                [
+                    lsock.fileno(),
+                    d.pool.fd,
+                    snap_fd,
+                ],
+            )
+            answer, _ = await _recv(conn, CONFIRM_S)
+            if answer["op"] != "serving":
+                raise _PeerError(f"it gave up: {answer.get('reason', answer['op'])}")
+        except _PeerError as e:
+            conn.close()
+            log.error(
+                "pid %d did not take over after the hand-over (%s): serving again in this process, from the "
+                "same socket and L2",
+                pid,
+                e,
+            )
+            _serve_again(lsock, d.pool.fd, snap_fd)
+        conn.close()
+        os.close(snap_fd)
+        self.handed_to = pid
+        log.info(
+            "handed over to pid %d: the socket, L2 (%d pages, %d owed to L3 and backed up by it) and its "
+            "index; exiting",
+            pid,
+            len(snap.pages),
+            owed,
+        )
+        d.should_exit.set()
+
+
+def _serve_again(listen: socket.socket, pool_fd: int, index_fd: int) -> None:
+    """Runs this same command again in this process (exec), handing it the socket, the pool and the index
+    as systemd hands kept fds to a start (LISTEN_FDS, LISTEN_FDNAMES): the start-up's own restore adopts
+    them, verifies the pages and serves them, pages owed to L3 still owed. Does not return."""
+    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) for fd in (listen.fileno(), pool_fd, index_fd)]
+    for i, fd in enumerate(fds):
+        os.dup2(fd, 3 + i, inheritable=True)
+    env = {
+        **os.environ,
+        "LISTEN_PID": str(os.getpid()),
+        "LISTEN_FDS": "3",
+        "LISTEN_FDNAMES": f"{SOCKET_FDNAME}:{keep.POOL_FDNAME}:{keep.INDEX_FDNAME}",
+    }
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
