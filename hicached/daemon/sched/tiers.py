@@ -52,6 +52,28 @@ LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
 PREFETCH_STEP = 64
 
 
+class _EveryMinute:
+    """A counter of pages that went wrong, logged at once, then at most once a minute: each line says how many
+    came since the previous one (what comes meanwhile is in the next line, written at the next event)."""
+
+    def __init__(self, counters: collections.Counter[str], key: str, level: int) -> None:
+        self.counters, self.key, self.level = counters, key, level
+        self.logged = 0  # the count at the last line
+        self.next = 0.0  # time.monotonic() from which the next line may be written
+
+    def add(self, n: int, message: str) -> None:
+        """Counts `n`; `message` takes the number since the last line, "start" or "the last report", and
+        the total."""
+        self.counters[self.key] += n
+        now = time.monotonic()
+        if now < self.next:
+            return
+        total = self.counters[self.key]
+        since = "the last report" if self.logged else "start"
+        log.log(self.level, message, total - self.logged, since, total)
+        self.logged, self.next = total, now + _LOST_LOG_INTERVAL_S
+
+
 @dataclass
 class Handle:
     entries: list[Entry]
@@ -113,10 +135,8 @@ class Tiers:
         self._lost_flushed = 0  # backup.lost when the previous flush answered
         self._gone_flushed = 0  # backup.dropped_gone then
         self.counters["backup.dropped"] = 0
-        self._dropped_logged = 0  # backup.dropped at the last log line about it
-        self._dropped_log_next = 0.0
-        self._lost_logged = 0  # backup.lost at the last log line about it
-        self._lost_log_next = 0.0  # time.monotonic() from which the next loss is logged
+        self._lost_report = _EveryMinute(self.counters, "backup.lost", logging.ERROR)
+        self._dropped_report = _EveryMinute(self.counters, "backup.dropped", logging.WARNING)
         self.index.on_remove = self._removed
         self.index.on_short = self._backlog_full
         self.namespaces: dict[str, int] = {}
@@ -203,22 +223,11 @@ class Tiers:
             self.counters["backup.dropped_gone"] += gone
 
     def _lose(self, n: int) -> None:
-        """Counts `n` pages lost, and logs it: at once, then at most once a minute (what came meanwhile is
-        in the next line, written at the next loss)."""
-        self.counters["backup.lost"] += n
-        now = time.monotonic()
-        if now < self._lost_log_next:
-            return
-        total = self.counters["backup.lost"]
-        log.error(
+        self._lost_report.add(
+            n,
             "lost %d acknowledged pages since %s: they left L2 before reaching L3 (given up by the backup, "
             "or no backend attached to write them to); %d in all (backup.lost; `ctl flush` reports them)",
-            total - self._lost_logged,
-            "the last report" if self._lost_logged else "start",
-            total,
         )
-        self._lost_logged = total
-        self._lost_log_next = now + _LOST_LOG_INTERVAL_S
 
     def _attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
@@ -539,24 +548,14 @@ class Tiers:
         if over <= 0 or self.write_back or self.cfg.storage.when_backlog_full != "drop_oldest":
             return 0
         n = self.backup.drop_oldest(int(over))
-        if not n:
-            return 0
-        self.counters["backup.dropped"] += n
-        now = time.monotonic()
-        if now >= self._dropped_log_next:
-            total = self.counters["backup.dropped"]
-            log.warning(
-                "L3 (%s) is behind: %d pages waiting for it stopped being held in L2 since %s, the oldest "
-                "first (storage.max_unbacked_fraction = %g; they stay in L2 until evicted, and are backed up "
-                "if the backend catches up first); %d in all (backup.dropped)",
-                self.backend.name,
-                total - self._dropped_logged,
-                "the last report" if self._dropped_logged else "start",
-                self.cfg.storage.max_unbacked_fraction,
-                total,
+        if n:
+            fraction = self.cfg.storage.max_unbacked_fraction
+            self._dropped_report.add(
+                n,
+                f"L3 ({self.backend.name}) is behind: %d pages waiting for it stopped being held in L2 since "
+                f"%s, the oldest first (storage.max_unbacked_fraction = {fraction:g}; they stay in L2 until "
+                "evicted, and are backed up if the backend catches up first); %d in all (backup.dropped)",
             )
-            self._dropped_logged = total
-            self._dropped_log_next = now + _LOST_LOG_INTERVAL_S
         return n
 
     # Store from reserved slots: reserve (ahead, answered while the engine copies) -> the engine writes
