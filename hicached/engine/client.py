@@ -3,7 +3,8 @@ coroutines). Control messages go over the daemon's Unix socket; page bytes are c
 of the shared L2 pool, whose fd the daemon hands over when the connection opens.
 
 Each operation is written once, as a generator that yields requests and receives answers (`_Ops`); the two
-clients only differ in how they carry a request to the daemon and back.
+clients only differ in how they carry a request to the daemon and back, and both reconnect by themselves
+when the daemon restarts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import select
 import socket
@@ -21,10 +23,13 @@ from typing import Any
 
 from hicached.common import protocol
 from hicached.common.errors import CONNECTION, TIMEOUT, HicachedError
+from hicached.common.retry import Backoff
 from hicached.engine.ops import Op, _Await, _held, _NoReply, _Ops, _Send, peer_closed_check
-from hicached.engine.regions import SideAttach, shared_buffer, side_attach
+from hicached.engine.regions import RegionBook, SideAttach, shared_buffer, side_attach
 
 __all__ = ["AsyncClient", "Client", "control", "shared_buffer"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
 _WELCOME_MAX = 1 << 16
@@ -91,22 +96,57 @@ def _connect(path: str, timeout: float) -> tuple[socket.socket, dict[str, Any], 
     return sock, welcome, fd
 
 
-class Client:
-    """Blocking client; one instance may be shared by many threads (requests from several threads are in
-    flight together; whichever thread waits reads the socket and hands answers to their owners)."""
+# A call that finds its connection gone dials again for up to `reconnect` seconds (the daemon restarting:
+# stopping, then starting and verifying a kept pool, takes a second or two here), waiting between tries as
+# this backoff says; once a whole wait has failed, later calls try one dial each until the daemon is back.
+DEFAULT_RECONNECT_S = 3.0
+_REDIAL = Backoff(attempts=0, base=0.05, max=0.5, jitter=0.2)
+# A prefetch handle carries the number of the connection it was made on above these bits (none on the
+# first), so that a handle from before a reconnect is told from the new connection's handles.
+_GEN_SHIFT = 40
 
-    def __init__(
-        self, socket_path: str, namespace: str, page_bytes: int, timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
-        self._ops = _Ops(namespace, page_bytes)
-        self.timeout = timeout
-        self._path = os.fspath(socket_path)
-        self._sock, welcome, fd = _connect(self._path, timeout)
-        self._sock.settimeout(None)
-        self._ops._attach(welcome, fd)
-        self._ops.peer_closed = peer_closed_check(self._sock.fileno())
+
+def _tagged(op: Op, gen: int) -> Op:
+    return (yield from op) + (gen << _GEN_SHIFT)
+
+
+def _answer(value: Any) -> Op:
+    """An operation that needs no request."""
+    return value
+    yield  # a generator like every op
+
+
+def _wait_op(ops: _Ops, gen: int, handle: int, timeout: float | None) -> Op:
+    made_on = handle >> _GEN_SHIFT if isinstance(handle, int) and handle >= 0 else gen
+    if made_on < gen:
+        # Its prefetch went with the connection it was made on (the daemon restarted): nothing to wait
+        # for. 0 says "no page is known to have arrived"; a load still finds every page L2 or L3 has.
+        return _answer(0)
+    return ops.op_wait(handle - (gen << _GEN_SHIFT) if made_on == gen else handle, timeout)
+
+
+def _gone_message(path: str, why: str | None, waited: float, last: HicachedError) -> str:
+    if not waited:  # an earlier call waited the whole `reconnect` already
+        return f"the daemon at {path} is still not back ({last.message}); the next call tries again"
+    return (
+        f"the connection to the daemon at {path} broke ({why}) and no daemon answered again within "
+        f"{waited:g}s (last try: {last.message}); the next call tries again"
+    )
+
+
+class _Wire:
+    """One connection of a `Client` and what belongs to it: the pool mapped from its welcome, the requests
+    in flight, the slots held ahead. A call runs on one wire from start to end; a reconnect makes a new one,
+    so nothing of a dead connection (a lease, an offset in the old pool) ever reaches the new one."""
+
+    def __init__(self, client: Client, sock: socket.socket, ops: _Ops, gen: int) -> None:
+        self.client = client  # for its timeout, which engines may change between calls
+        self.sock = sock
+        self.ops = ops
+        self.gen = gen
+        ops.peer_closed = peer_closed_check(sock.fileno())
         self._poll = select.poll()
-        self._poll.register(self._sock, select.POLLIN)
+        self._poll.register(sock, select.POLLIN)
         self._decoder = protocol.FrameDecoder(_CLIENT_MAX_FRAME)
         self._rbuf = memoryview(bytearray(_RECV_BYTES))  # used by the one thread reading (_reading)
         self._ids = itertools.count(1)
@@ -120,116 +160,45 @@ class Client:
         self._sent: dict[int, dict[str, Any]] = {}
         self._orphans: dict[int, dict[str, Any]] = {}
         self._reading = False
-        self._broken: str | None = None
-        self._active = 0  # calls running, in any thread
-        try:
-            self._run(self._ops.op_hello())
-        except BaseException:
-            self.close()
-            raise
+        self.broken: str | None = None
+        self._active = 0  # calls running on this wire, in any thread
+        self._released = False
 
-    @property
-    def namespace(self) -> str:
-        return self._ops.namespace
+    def gone(self) -> bool:
+        """Whether the connection is broken, or the daemon has closed it (then it is marked broken)."""
+        if self.broken is None and self.ops.peer_closed():
+            self.mark_broken("the daemon closed the connection")
+        return self.broken is not None
 
-    @property
-    def page_bytes(self) -> int:
-        return self._ops.page_bytes
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
+    def mark_broken(self, why: str) -> None:
+        self.ops._drop_reserved()
         with self._cv:
-            if self._broken is None:
-                self._broken = "the client is closed"
+            self.broken = self.broken or why
+            self._orphans.clear()  # the daemon gave back what the connection held
+            self._cv.notify_all()
+            idle = not self._active
+        if idle:
+            self._release()
+
+    def close(self, why: str) -> None:
+        with self._cv:
+            self.broken = self.broken or why
             self._cv.notify_all()
         with contextlib.suppress(OSError):  # wakes a thread blocked reading; already gone is fine
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        self._ops._detach()
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self._release()
 
-    def exists(self, keys: Sequence[str]) -> int:
-        return self._run(self._ops.op_exists(keys))
+    def _release(self) -> None:
+        """Lets go of the socket and the pool's mapping once no call uses them. After a daemon restart the
+        mapping's memory is the old pool's, which the new daemon may need (pool.memory_wait)."""
+        with self._cv:
+            if self._released:
+                return
+            self._released = True
+        self.sock.close()
+        self.ops._detach()
 
-    def present(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is in L2 or L3, holes and all (exists counts the leading ones only)."""
-        return self._run(self._ops.op_present(keys))
-
-    def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
-        return self._run(self._ops.op_store(keys, pages))
-
-    def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> int:
-        return self._run(self._ops.op_load(keys, buffers))
-
-    def get(self, keys: Sequence[str]) -> list[bytes]:
-        return self._run(self._ops.op_get(keys))
-
-    def prefetch(self, keys: Sequence[str], priority: int = 0) -> int:
-        return self._run(self._ops.op_prefetch(keys, priority))
-
-    def wait(self, handle: int, timeout: float | None = None) -> int:
-        return self._run(self._ops.op_wait(handle, timeout))
-
-    def pin(self, keys: Sequence[str]) -> int:
-        return self._run(self._ops.op_pin(keys))
-
-    def unpin(self, keys: Sequence[str]) -> int:
-        return self._run(self._ops.op_unpin(keys))
-
-    def clear(self) -> dict[str, Any]:
-        """Forgets every page of this client's namespace in L2 and L3 (for every engine that shares it):
-        {"l2": pages dropped from L2, "busy": pages still held after server.request_timeout, "l3": objects
-        deleted (None with "error" when L3 could not be cleared)}."""
-        return self._run(self._ops.op_simple("clear"))
-
-    def stats(self) -> dict[str, Any]:
-        return self._run(self._ops.op_simple("stats"))
-
-    def status(self) -> dict[str, Any]:
-        return self._run(self._ops.op_simple("status"))
-
-    def register_region(
-        self,
-        memory: Any,
-        page_bytes: int,
-        segments: Sequence[Sequence[int]] | None = None,
-        *,
-        num_pages: int | None = None,
-    ) -> int:
-        """Register engine memory (a tensor from `shared_buffer`, a CUDA tensor, or a memfd's fd, sealed or
-        not) whose pages the daemon copies; `segments` are (offset, length, stride) per page. Returns a
-        handle. Should an unsealed memfd shrink, its requests fail (copy_failed) and the handle goes."""
-        return self._run(self._ops.op_register_region(memory, page_bytes, segments, num_pages))
-
-    def register_local_region(
-        self,
-        memory: Any,
-        page_bytes: int,
-        segments: Sequence[Sequence[int]] | None = None,
-        *,
-        num_pages: int | None = None,
-    ) -> int:
-        """Register memory of this process only (any contiguous CPU tensor or writable buffer) whose pages
-        this client copies between it and the pool itself (hicached.engine.local): store_pages / load_pages
-        as for a region, one copy a page, while the daemon never maps the memory. A negative handle."""
-        return self._run(self._ops.op_register_local(memory, page_bytes, segments, num_pages))
-
-    def unregister_region(self, handle: int) -> None:
-        self._run(self._ops.op_unregister_region(handle))
-
-    def store_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> list[bool]:
-        """The daemon copies pages `page_indices` of the region into L2 under `keys`."""
-        return self._run(self._ops.op_store_pages(handle, page_indices, keys))
-
-    def load_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> int:
-        """The daemon fills pages `page_indices` of the region with the leading hits of `keys`."""
-        return self._run(self._ops.op_load_pages(handle, page_indices, keys))
-
-    def _run(self, op: Op) -> Any:
+    def run(self, op: Op) -> Any:
         # Frames held (ops._held) until the operation next blocks or sends something else, then
         # sent in one sendall: a store's allocations cost one system call and one wake-up of the daemon
         # instead of one each.
@@ -253,18 +222,15 @@ class Client:
                     self._write(held)
             with self._cv:
                 self._active -= 1
-                gone = self._broken is not None and not self._active
-            if gone:
-                # The connection is dead and no call copies through the pool's mapping any more: let go
-                # of it now, not at close(). After a daemon restart its memory is the old pool's, which
-                # the new daemon may need (pool.memory_wait).
-                self._ops._detach()
+                idle = self.broken is not None and not self._active
+            if idle:
+                self._release()
 
     def _request(self, req: Any, held: list[bytes]) -> Any:
         if isinstance(req, SideAttach):
-            if self._broken:
-                raise HicachedError(CONNECTION, self._broken)
-            return side_attach(_connect, self._path, req, self.timeout)
+            if self.broken:
+                raise HicachedError(CONNECTION, self.broken)
+            return side_attach(_connect, self.client._path, req, self.client.timeout)
         if isinstance(req, _Await):
             if held:
                 self._write(held)
@@ -282,9 +248,9 @@ class Client:
         req["id"] = rid
         held.append(protocol.encode(req))
         with self._cv:
-            if self._broken:
+            if self.broken:
                 held.clear()
-                raise HicachedError(CONNECTION, self._broken)
+                raise HicachedError(CONNECTION, self.broken)
             if not isinstance(req, _NoReply):
                 self._waiting.add(rid)
                 self._sent[rid] = req
@@ -297,14 +263,14 @@ class Client:
         held.clear()
         try:
             with self._send_lock:
-                self._sock.sendall(data)
+                self.sock.sendall(data)
         except OSError as e:
             self._fail(f"the connection to the daemon broke: {e}")
 
     def _collect(self, rid: int) -> dict[str, Any]:
         answered = False
         try:
-            answer = self._await(rid, time.monotonic() + self.timeout)
+            answer = self._await(rid, time.monotonic() + self.client.timeout)
             answered = True
             return protocol.raise_for_error(answer)
         finally:
@@ -313,9 +279,9 @@ class Client:
                 self._waiting.discard(rid)
                 req = self._sent.pop(rid, None)
                 late = self._results.pop(rid, None)
-                if not answered and req is not None and not self._broken:
+                if not answered and req is not None and not self.broken:
                     if late is not None:  # answered just as we gave up
-                        follow = self._ops._orphaned(req, late)
+                        follow = self.ops._orphaned(req, late)
                     else:
                         self._orphans[rid] = req
             if follow is not None:
@@ -331,15 +297,16 @@ class Client:
             self._write(frames)
 
     def _await(self, rid: int, deadline: float) -> dict[str, Any]:
+        timeout = self.client.timeout
         with self._cv:
             while True:
                 if rid in self._results:
                     return self._results.pop(rid)
-                if self._broken:
-                    raise HicachedError(CONNECTION, self._broken)
+                if self.broken:
+                    raise HicachedError(CONNECTION, self.broken)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s")
+                    raise HicachedError(TIMEOUT, f"no answer from the daemon within {timeout}s")
                 if not self._reading:
                     self._reading = True
                     break
@@ -348,9 +315,9 @@ class Client:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._poll.poll(remaining * 1000):
-                    raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s")
+                    raise HicachedError(TIMEOUT, f"no answer from the daemon within {timeout}s")
                 try:
-                    got = self._sock.recv_into(self._rbuf)
+                    got = self.sock.recv_into(self._rbuf)
                 except OSError as e:
                     self._fail(f"the connection to the daemon broke: {e}")
                 if not got:
@@ -366,7 +333,7 @@ class Client:
                         if mid in self._waiting:
                             self._results[mid] = m
                         elif mid in self._orphans:
-                            req = self._ops._orphaned(self._orphans.pop(mid), m)
+                            req = self.ops._orphaned(self._orphans.pop(mid), m)
                             if req is not None:
                                 follow.append(req)
                     if msgs:
@@ -382,12 +349,298 @@ class Client:
                 self._cv.notify_all()
 
     def _fail(self, why: str) -> None:
-        self._ops._drop_reserved()
-        with self._cv:
-            self._broken = self._broken or why
-            self._orphans.clear()  # the daemon gave back what the connection held
-            self._cv.notify_all()
+        self.mark_broken(why)
         raise HicachedError(CONNECTION, why)
+
+
+class Client:
+    """Blocking client; one instance may be shared by many threads (requests from several threads are in
+    flight together; whichever thread waits reads the socket and hands answers to their owners).
+
+    When the daemon goes away (a restart), the next call dials again, for up to `reconnect` seconds (0: never
+    reconnect, the calls answer `connection` errors), says hello, maps the pool from the new welcome,
+    registers the regions again (their handles stay valid), and retries once the call that found the
+    connection gone, where that is safe (each method says why)."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        namespace: str,
+        page_bytes: int,
+        timeout: float = DEFAULT_TIMEOUT,
+        reconnect: float = DEFAULT_RECONNECT_S,
+    ) -> None:
+        first = _Ops(namespace, page_bytes)  # checks both before anything is dialled
+        self._namespace, self._page_bytes = first.namespace, first.page_bytes
+        self.timeout = timeout
+        self.reconnect = reconnect
+        self._path = os.fspath(socket_path)
+        self._local = first.local  # local regions: this process's memory, the same on every connection
+        self._regions = RegionBook()
+        self._gens = itertools.count()
+        self._dial_lock = threading.Lock()  # one reconnect at a time; the others wait for it
+        self._state_lock = threading.Lock()  # guards _wire and _closed together
+        self._closed = False
+        self._down = False  # a whole reconnect wait failed: the next calls try one dial each
+        self.reconnects = 0
+        self._wire = self._dial(first)
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
+
+    @property
+    def _ops(self) -> _Ops:
+        return self._wire.ops
+
+    @property
+    def _sock(self) -> socket.socket:
+        return self._wire.sock
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._state_lock:
+            self._closed = True
+            wire = self._wire
+        wire.close("the client is closed")
+        self._regions.close()
+
+    # -- connections ---------------------------------------------------------------------------------
+
+    def _dial(self, ops: _Ops | None = None) -> _Wire:
+        """A new connection: the welcome's pool mapped, hello said with this client's namespace and page
+        size."""
+        if ops is None:
+            ops = _Ops(self._namespace, self._page_bytes)
+            ops.local = self._local
+        sock, welcome, fd = _connect(self._path, self.timeout)
+        try:
+            sock.settimeout(None)
+            ops._attach(welcome, fd)
+        except BaseException:
+            sock.close()
+            raise
+        wire = _Wire(self, sock, ops, next(self._gens))
+        try:
+            wire.run(ops.op_hello())
+        except BaseException:
+            wire.close("the handshake failed")
+            raise
+        return wire
+
+    def _live(self) -> _Wire:
+        """The wire for a new call: the current one, or a new one if the daemon went away."""
+        wire = self._wire
+        if self._closed:
+            raise HicachedError(CONNECTION, "the client is closed")
+        if not wire.gone():
+            return wire
+        if self.reconnect <= 0:
+            raise HicachedError(CONNECTION, wire.broken or "the connection broke")
+        return self._replace(wire)
+
+    def _replace(self, old: _Wire) -> _Wire:
+        """A new wire in place of `old`, which is gone; threads that find it gone at once wait for the
+        one reconnect (bounded: the reconnect wait, a dial, and one registration per region)."""
+        budget = self.reconnect + self.timeout * (2 + len(self._regions))
+        if not self._dial_lock.acquire(timeout=budget):
+            raise HicachedError(CONNECTION, f"another thread has been reconnecting for {budget:g}s")
+        try:
+            cur = self._wire
+            if cur is not old and not cur.gone():
+                return cur  # another thread reconnected meanwhile
+            why = cur.broken
+            wait = 0.0 if self._down else self.reconnect
+            deadline = time.monotonic() + wait
+            attempt = 0
+            while True:
+                if self._closed:
+                    raise HicachedError(CONNECTION, "the client is closed")
+                attempt += 1
+                wire = None
+                try:
+                    wire = self._dial()
+                    self._register_again(wire)
+                    break
+                except HicachedError as e:
+                    if wire is not None:
+                        wire.close("the reconnect failed")
+                    # A daemon that answers and refuses (unauthorized, a bad hello) will not change its
+                    # mind: say so now. connection / timeout: not up (again) yet.
+                    if e.code not in (CONNECTION, TIMEOUT):
+                        raise
+                    delay = _REDIAL.delay(attempt)
+                    if time.monotonic() + delay > deadline:
+                        self._down = True
+                        raise HicachedError(CONNECTION, _gone_message(self._path, why, wait, e)) from None
+                    time.sleep(delay)
+            with self._state_lock:
+                if self._closed:
+                    wire.close("the client is closed")
+                    raise HicachedError(CONNECTION, "the client is closed")
+                self._wire = wire
+            self._down = False
+            self.reconnects += 1
+            log.info("hicached: connected again to %s (%s)", self._path, why)
+            return wire
+        finally:
+            self._dial_lock.release()
+
+    def _register_again(self, wire: _Wire) -> None:
+        """Registers each region of the book on `wire`. One the daemon refuses is marked lost (its calls
+        then say to register it again); a connection error fails the reconnect, to be tried again."""
+        for handle, entry in self._regions.entries():
+            if entry.memory is None:
+                continue
+            op = wire.ops.op_register_region(entry.memory, entry.page_bytes, entry.segments, entry.num_pages)
+            try:
+                daemon = wire.run(op)
+            except HicachedError as e:
+                if e.code == CONNECTION:
+                    raise
+                self._regions.lose(handle, f"registering it again after a reconnect failed: {e.message}")
+                continue
+            if not self._regions.moved(handle, wire.gen, daemon):  # unregistered meanwhile
+                with contextlib.suppress(HicachedError):
+                    wire.run(wire.ops.op_unregister_region(daemon))
+
+    def _run(self, op: Op) -> Any:
+        """Runs a raw operation (tests, benchmarks, adapters' own ops) on the current connection, once."""
+        return self._live().run(op)
+
+    def _call(self, make: Callable[[_Wire], Op], retry: bool) -> Any:
+        """Runs the operation `make` builds for a wire. If the daemon went away during it and `retry` (the
+        operation is safe to run twice), it runs once more on a new connection."""
+        wire = self._live()
+        try:
+            return wire.run(make(wire))
+        except HicachedError:
+            if not retry or self.reconnect <= 0 or self._closed or not wire.gone():
+                raise
+        wire = self._replace(wire)
+        return wire.run(make(wire))
+
+    # -- operations ----------------------------------------------------------------------------------
+    # Safe to retry: lookups read; a store of a key the daemon has already answers that it is there; a
+    # load or get copies the same key's bytes into the same buffers again; pins are flags, not counts;
+    # stats and status read. Not: clear (a second clear would also forget pages stored in between).
+
+    def exists(self, keys: Sequence[str]) -> int:
+        return self._call(lambda w: w.ops.op_exists(keys), retry=True)
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is in L2 or L3, holes and all (exists counts the leading ones only)."""
+        return self._call(lambda w: w.ops.op_present(keys), retry=True)
+
+    def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
+        return self._call(lambda w: w.ops.op_store(keys, pages), retry=True)
+
+    def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> int:
+        return self._call(lambda w: w.ops.op_load(keys, buffers), retry=True)
+
+    def get(self, keys: Sequence[str]) -> list[bytes]:
+        return self._call(lambda w: w.ops.op_get(keys), retry=True)
+
+    def prefetch(self, keys: Sequence[str], priority: int = 0) -> int:
+        # Retried: a prefetch only asks for pages to come to L2; the handle is the new connection's.
+        return self._call(lambda w: _tagged(w.ops.op_prefetch(keys, priority), w.gen), retry=True)
+
+    def wait(self, handle: int, timeout: float | None = None) -> int:
+        """How many leading keys of the prefetch are in L2. A handle from before a reconnect answers 0 at
+        once: its prefetch went with the old connection (load still finds what L2 or L3 holds)."""
+        return self._call(lambda w: _wait_op(w.ops, w.gen, handle, timeout), retry=True)
+
+    def pin(self, keys: Sequence[str]) -> int:
+        return self._call(lambda w: w.ops.op_pin(keys), retry=True)
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        return self._call(lambda w: w.ops.op_unpin(keys), retry=True)
+
+    def clear(self) -> dict[str, Any]:
+        """Forgets every page of this client's namespace in L2 and L3 (for every engine that shares it):
+        {"l2": pages dropped from L2, "busy": pages still held after server.request_timeout, "l3": objects
+        deleted (None with "error" when L3 could not be cleared)}. Never retried."""
+        return self._call(lambda w: w.ops.op_simple("clear"), retry=False)
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(lambda w: w.ops.op_simple("stats"), retry=True)
+
+    def status(self) -> dict[str, Any]:
+        return self._call(lambda w: w.ops.op_simple("status"), retry=True)
+
+    def register_region(
+        self,
+        memory: Any,
+        page_bytes: int,
+        segments: Sequence[Sequence[int]] | None = None,
+        *,
+        num_pages: int | None = None,
+    ) -> int:
+        """Register engine memory (a tensor from `shared_buffer`, a CUDA tensor, or a memfd's fd, sealed or
+        not) whose pages the daemon copies; `segments` are (offset, length, stride) per page. Returns a
+        handle, valid across reconnects: the client keeps the tensor (or a duplicate of the fd) and
+        registers it again on a new connection. Should an unsealed memfd shrink, its requests fail
+        (copy_failed) and the handle goes."""
+        gen = [0]
+
+        def make(w: _Wire) -> Op:
+            gen[0] = w.gen
+            return w.ops.op_register_region(memory, page_bytes, segments, num_pages)
+
+        # Retried: a region registered on a connection goes with it, so a daemon that went away holds none.
+        daemon = self._call(make, retry=True)
+        return self._regions.add(memory, page_bytes, segments, num_pages, gen[0], daemon, self._wire.gen)
+
+    def register_local_region(
+        self,
+        memory: Any,
+        page_bytes: int,
+        segments: Sequence[Sequence[int]] | None = None,
+        *,
+        num_pages: int | None = None,
+    ) -> int:
+        """Register memory of this process only (any contiguous CPU tensor or writable buffer) whose pages
+        this client copies between it and the pool itself (hicached.engine.local): store_pages / load_pages
+        as for a region, one copy a page, while the daemon never maps the memory. A negative handle."""
+        return self._call(lambda w: w.ops.op_register_local(memory, page_bytes, segments, num_pages), False)
+
+    def unregister_region(self, handle: int) -> None:
+        entry = self._regions.pop(handle)
+        if entry is None:  # a local region, or one this client does not know: as before
+            self._call(lambda w: w.ops.op_unregister_region(handle), retry=False)
+            return
+        wire = self._wire
+        if entry.gen != wire.gen or entry.lost is not None or wire.gone():
+            return  # the daemon that had it is gone, and the region with it
+        try:
+            wire.run(wire.ops.op_unregister_region(entry.daemon))
+        except HicachedError as e:
+            if e.code != CONNECTION:
+                raise
+
+    def store_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> list[bool]:
+        """The daemon copies pages `page_indices` of the region into L2 under `keys` (retried as store)."""
+        return self._call(
+            lambda w: w.ops.op_store_pages(self._regions.daemon_handle(handle, w.gen), page_indices, keys),
+            retry=True,
+        )
+
+    def load_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> int:
+        """The daemon fills pages `page_indices` of the region with the leading hits of `keys` (retried as
+        load)."""
+        return self._call(
+            lambda w: w.ops.op_load_pages(self._regions.daemon_handle(handle, w.gen), page_indices, keys),
+            retry=True,
+        )
 
 
 class _AsyncProtocol(asyncio.Protocol):
@@ -423,7 +676,9 @@ class _AsyncProtocol(asyncio.Protocol):
         self._fail("the daemon closed the connection")
 
     def _fail(self, why: str) -> None:
-        self.broken = self.broken or why
+        if self.broken is not None:
+            return
+        self.broken = why
         self.orphans.clear()
         self.on_broken()
         for fut in self.waiters.values():
@@ -432,38 +687,72 @@ class _AsyncProtocol(asyncio.Protocol):
         self.waiters.clear()
 
 
+class _AsyncWire:
+    """One connection of an `AsyncClient`: its protocol, and the operations' state for it (the pool mapped
+    from its welcome, the slots held ahead)."""
+
+    def __init__(self, proto: _AsyncProtocol, ops: _Ops, gen: int) -> None:
+        self.proto = proto
+        self.ops = ops
+        self.gen = gen
+
+    def gone(self) -> bool:
+        if self.proto.broken is None and self.ops.peer_closed():
+            self.proto._fail("the daemon closed the connection")
+            self.proto.transport.abort()
+        return self.proto.broken is not None
+
+
+def _close_connected(fut: asyncio.Future[tuple[socket.socket, dict[str, Any], int]]) -> None:
+    """A connection made in a thread for a caller that stopped waiting: closed, its pool fd too."""
+    if not fut.cancelled() and fut.exception() is None:
+        sock, _, fd = fut.result()
+        sock.close()
+        os.close(fd)
+
+
 class AsyncClient:
-    """The same methods as `Client`, as coroutines, for engines that run an event loop.
-    Use `async with AsyncClient(...) as c` or `await AsyncClient(...).connect()`."""
+    """The same methods as `Client`, as coroutines, for engines that run an event loop, and the same
+    reconnects. Use `async with AsyncClient(...) as c` or `await AsyncClient(...).connect()`."""
 
     def __init__(
-        self, socket_path: str, namespace: str, page_bytes: int, timeout: float = DEFAULT_TIMEOUT
+        self,
+        socket_path: str,
+        namespace: str,
+        page_bytes: int,
+        timeout: float = DEFAULT_TIMEOUT,
+        reconnect: float = DEFAULT_RECONNECT_S,
     ) -> None:
-        self._ops = _Ops(namespace, page_bytes)
+        first = _Ops(namespace, page_bytes)  # checks both before anything is dialled
+        self._namespace, self._page_bytes = first.namespace, first.page_bytes
         self.socket_path = os.fspath(socket_path)
         self.timeout = timeout
-        self._proto: _AsyncProtocol | None = None
+        self.reconnect = reconnect
+        self._local = first.local
+        self._regions = RegionBook()
+        self._gens = itertools.count()
+        self._wire: _AsyncWire | None = None
+        self._closed = False
+        self._down = False
+        self._redialing: asyncio.Task[_AsyncWire] | None = None
+        self.reconnects = 0
         self._ids = itertools.count(1)
         self._unwinding: set[asyncio.Task[None]] = set()
 
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
+
+    @property
+    def _ops(self) -> _Ops | None:
+        return None if self._wire is None else self._wire.ops
+
     async def connect(self) -> AsyncClient:
-        loop = asyncio.get_running_loop()
-        # The handshake carries an fd, which a transport cannot receive: do it on a blocking socket in a
-        # thread, then hand the socket to the loop.
-        sock, welcome, fd = await loop.run_in_executor(None, _connect, self.socket_path, self.timeout)
-        self._ops._attach(welcome, fd)
-        sock.setblocking(False)
-        _, self._proto = await loop.create_unix_connection(_AsyncProtocol, sock=sock)
-        # The connection gone, the pool's mapping goes too (its memory may be a previous daemon's pool,
-        # which a restarted daemon needs): every copy runs on this loop's thread, so none is under way.
-        self._proto.on_broken = self._ops._detach
-        self._proto.on_orphan = self._orphan_answer
-        self._ops.peer_closed = peer_closed_check(sock.fileno())
-        try:
-            await self._run(self._ops.op_hello())
-        except BaseException:
-            await self.close()
-            raise
+        self._wire = await self._dial()
         return self
 
     async def __aenter__(self) -> AsyncClient:
@@ -473,49 +762,187 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
-            self._proto._fail("the client is closed")
+        self._closed = True
+        redial = self._redialing
+        if redial is not None and not redial.done():
+            redial.cancel()
+            await asyncio.gather(redial, return_exceptions=True)
+        wire = self._wire
+        if wire is not None and wire.proto.transport is not None:
+            wire.proto.transport.close()
+            wire.proto._fail("the client is closed")
         if self._unwinding:  # cancelled operations: their last waits end at once now
             await asyncio.gather(*self._unwinding, return_exceptions=True)
-        self._ops._detach()
+        if wire is not None:
+            wire.ops._detach()
+        self._regions.close()
+
+    # -- connections ---------------------------------------------------------------------------------
+
+    async def _dial(self) -> _AsyncWire:
+        loop = asyncio.get_running_loop()
+        ops = _Ops(self._namespace, self._page_bytes)
+        ops.local = self._local
+        # The handshake carries an fd, which a transport cannot receive: do it on a blocking socket in a
+        # thread, then hand the socket to the loop.
+        fut = loop.run_in_executor(None, _connect, self.socket_path, self.timeout)
+        try:
+            sock, welcome, fd = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(_close_connected)
+            raise
+        try:
+            ops._attach(welcome, fd)
+            sock.setblocking(False)
+            _, proto = await loop.create_unix_connection(_AsyncProtocol, sock=sock)
+        except BaseException:
+            sock.close()
+            ops._detach()
+            raise
+        wire = _AsyncWire(proto, ops, next(self._gens))
+        # The connection gone, the pool's mapping goes too (its memory may be a previous daemon's pool,
+        # which a restarted daemon needs): every copy runs on this loop's thread, so none is under way.
+        proto.on_broken = ops._detach
+        proto.on_orphan = lambda req, answer: self._orphan_answer(wire, req, answer)
+        ops.peer_closed = peer_closed_check(sock.fileno())
+        try:
+            await self._drive(wire, ops.op_hello())
+        except BaseException:
+            proto.transport.close()
+            proto._fail("the handshake failed")
+            raise
+        return wire
+
+    async def _live(self) -> _AsyncWire:
+        wire = self._wire
+        if self._closed:
+            raise HicachedError(CONNECTION, "the client is closed")
+        if wire is None:
+            raise HicachedError(CONNECTION, "the client is not connected")
+        if not wire.gone():
+            return wire
+        if self.reconnect <= 0:
+            raise HicachedError(CONNECTION, wire.proto.broken or "the connection broke")
+        return await self._replace(wire)
+
+    async def _replace(self, old: _AsyncWire) -> _AsyncWire:
+        """A new wire in place of `old`: one reconnect, in a task of its own that every caller waits on (a
+        caller cancelled does not cancel it for the others)."""
+        cur = self._wire
+        if cur is not old and cur is not None and not cur.gone():
+            return cur
+        task = self._redialing
+        if task is None or task.done():
+            task = self._redialing = asyncio.get_running_loop().create_task(self._redial(cur or old))
+            task.add_done_callback(_retrieved)
+        return await asyncio.shield(task)
+
+    async def _redial(self, old: _AsyncWire) -> _AsyncWire:
+        why = old.proto.broken
+        wait = 0.0 if self._down else self.reconnect
+        deadline = time.monotonic() + wait
+        attempt = 0
+        while True:
+            if self._closed:
+                raise HicachedError(CONNECTION, "the client is closed")
+            attempt += 1
+            wire = None
+            try:
+                wire = await self._dial()
+                await self._register_again(wire)
+                break
+            except HicachedError as e:
+                if wire is not None:
+                    wire.proto.transport.close()
+                    wire.proto._fail("the reconnect failed")
+                if e.code not in (CONNECTION, TIMEOUT):  # a daemon that answers and refuses: say so now
+                    raise
+                delay = _REDIAL.delay(attempt)
+                if time.monotonic() + delay > deadline:
+                    self._down = True
+                    raise HicachedError(CONNECTION, _gone_message(self.socket_path, why, wait, e)) from None
+                await asyncio.sleep(delay)
+        if self._closed:
+            wire.proto.transport.close()
+            wire.proto._fail("the client is closed")
+            raise HicachedError(CONNECTION, "the client is closed")
+        self._wire = wire
+        self._down = False
+        self.reconnects += 1
+        log.info("hicached: connected again to %s (%s)", self.socket_path, why)
+        return wire
+
+    async def _register_again(self, wire: _AsyncWire) -> None:
+        """Client._register_again."""
+        for handle, entry in self._regions.entries():
+            if entry.memory is None:
+                continue
+            op = wire.ops.op_register_region(entry.memory, entry.page_bytes, entry.segments, entry.num_pages)
+            try:
+                daemon = await self._drive(wire, op)
+            except HicachedError as e:
+                if e.code == CONNECTION:
+                    raise
+                self._regions.lose(handle, f"registering it again after a reconnect failed: {e.message}")
+                continue
+            if not self._regions.moved(handle, wire.gen, daemon):
+                with contextlib.suppress(HicachedError):
+                    await self._drive(wire, wire.ops.op_unregister_region(daemon))
+
+    async def _run(self, op: Op) -> Any:
+        """Client._run."""
+        return await self._drive(await self._live(), op)
+
+    async def _call(self, make: Callable[[_AsyncWire], Op], retry: bool) -> Any:
+        """Client._call."""
+        wire = await self._live()
+        try:
+            return await self._drive(wire, make(wire))
+        except HicachedError:
+            if not retry or self.reconnect <= 0 or self._closed or not wire.gone():
+                raise
+        wire = await self._replace(wire)
+        return await self._drive(wire, make(wire))
+
+    # -- operations (retried where Client's are, for the same reasons) -----------------------------
 
     async def exists(self, keys: Sequence[str]) -> int:
-        return await self._run(self._ops.op_exists(keys))
+        return await self._call(lambda w: w.ops.op_exists(keys), retry=True)
 
     async def present(self, keys: Sequence[str]) -> list[bool]:
-        return await self._run(self._ops.op_present(keys))
+        return await self._call(lambda w: w.ops.op_present(keys), retry=True)
 
     async def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
-        return await self._run(self._ops.op_store(keys, pages))
+        return await self._call(lambda w: w.ops.op_store(keys, pages), retry=True)
 
     async def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> int:
-        return await self._run(self._ops.op_load(keys, buffers))
+        return await self._call(lambda w: w.ops.op_load(keys, buffers), retry=True)
 
     async def get(self, keys: Sequence[str]) -> list[bytes]:
-        return await self._run(self._ops.op_get(keys))
+        return await self._call(lambda w: w.ops.op_get(keys), retry=True)
 
     async def prefetch(self, keys: Sequence[str], priority: int = 0) -> int:
-        return await self._run(self._ops.op_prefetch(keys, priority))
+        return await self._call(lambda w: _tagged(w.ops.op_prefetch(keys, priority), w.gen), retry=True)
 
     async def wait(self, handle: int, timeout: float | None = None) -> int:
-        return await self._run(self._ops.op_wait(handle, timeout))
+        """Client.wait: a handle from before a reconnect answers 0."""
+        return await self._call(lambda w: _wait_op(w.ops, w.gen, handle, timeout), retry=True)
 
     async def pin(self, keys: Sequence[str]) -> int:
-        return await self._run(self._ops.op_pin(keys))
+        return await self._call(lambda w: w.ops.op_pin(keys), retry=True)
 
     async def unpin(self, keys: Sequence[str]) -> int:
-        return await self._run(self._ops.op_unpin(keys))
+        return await self._call(lambda w: w.ops.op_unpin(keys), retry=True)
 
     async def clear(self) -> dict[str, Any]:
         """Client.clear()."""
-        return await self._run(self._ops.op_simple("clear"))
+        return await self._call(lambda w: w.ops.op_simple("clear"), retry=False)
 
     async def stats(self) -> dict[str, Any]:
-        return await self._run(self._ops.op_simple("stats"))
+        return await self._call(lambda w: w.ops.op_simple("stats"), retry=True)
 
     async def status(self) -> dict[str, Any]:
-        return await self._run(self._ops.op_simple("status"))
+        return await self._call(lambda w: w.ops.op_simple("status"), retry=True)
 
     async def register_region(
         self,
@@ -525,7 +952,16 @@ class AsyncClient:
         *,
         num_pages: int | None = None,
     ) -> int:
-        return await self._run(self._ops.op_register_region(memory, page_bytes, segments, num_pages))
+        """Client.register_region: the handle stays valid across reconnects."""
+        gen = [0]
+
+        def make(w: _AsyncWire) -> Op:
+            gen[0] = w.gen
+            return w.ops.op_register_region(memory, page_bytes, segments, num_pages)
+
+        daemon = await self._call(make, retry=True)
+        current = self._wire.gen if self._wire is not None else gen[0]
+        return self._regions.add(memory, page_bytes, segments, num_pages, gen[0], daemon, current)
 
     async def register_local_region(
         self,
@@ -535,27 +971,43 @@ class AsyncClient:
         *,
         num_pages: int | None = None,
     ) -> int:
-        return await self._run(self._ops.op_register_local(memory, page_bytes, segments, num_pages))
+        return await self._call(
+            lambda w: w.ops.op_register_local(memory, page_bytes, segments, num_pages), retry=False
+        )
 
     async def unregister_region(self, handle: int) -> None:
-        await self._run(self._ops.op_unregister_region(handle))
+        entry = self._regions.pop(handle)
+        if entry is None:
+            await self._call(lambda w: w.ops.op_unregister_region(handle), retry=False)
+            return
+        wire = self._wire
+        if wire is None or entry.gen != wire.gen or entry.lost is not None or wire.gone():
+            return  # the daemon that had it is gone, and the region with it
+        try:
+            await self._drive(wire, wire.ops.op_unregister_region(entry.daemon))
+        except HicachedError as e:
+            if e.code != CONNECTION:
+                raise
 
     async def store_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> list[bool]:
-        return await self._run(self._ops.op_store_pages(handle, page_indices, keys))
+        return await self._call(
+            lambda w: w.ops.op_store_pages(self._regions.daemon_handle(handle, w.gen), page_indices, keys),
+            retry=True,
+        )
 
     async def load_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> int:
-        return await self._run(self._ops.op_load_pages(handle, page_indices, keys))
+        return await self._call(
+            lambda w: w.ops.op_load_pages(self._regions.daemon_handle(handle, w.gen), page_indices, keys),
+            retry=True,
+        )
 
-    async def _run(self, op: Op) -> Any:
-        return await self._drive(op, next, op)
-
-    async def _drive(self, op: Op, step: Callable[..., Any], arg: Any) -> Any:
+    async def _drive(self, wire: _AsyncWire, op: Op, step: Callable[..., Any] = next, arg: Any = None) -> Any:
         held: list[bytes] = []  # frames held (hicached.engine.ops._held), written at the next wait or send
         try:
-            req = step(arg)
+            req = step(op if arg is None else arg)
             while True:
                 try:
-                    answer = await self._request(req, held)
+                    answer = await self._request(wire, req, held)
                 except HicachedError as e:
                     req = op.throw(e)
                     continue
@@ -564,7 +1016,7 @@ class AsyncClient:
                     # back what it holds (aborts its slots, collects the answers it is owed), in a task
                     # of its own, as it would after an error.
                     cancelled = HicachedError(CONNECTION, "the call was cancelled")
-                    task = asyncio.get_running_loop().create_task(self._drive(op, op.throw, cancelled))
+                    task = asyncio.get_running_loop().create_task(self._drive(wire, op, op.throw, cancelled))
                     self._unwinding.add(task)
                     task.add_done_callback(self._unwound)
                     raise
@@ -572,25 +1024,25 @@ class AsyncClient:
         except StopIteration as stop:
             return stop.value
         finally:
-            if held and self._proto is not None and not self._proto.broken:
-                self._proto.transport.write(b"".join(held))
+            if held and not wire.proto.broken:
+                wire.proto.transport.write(b"".join(held))
 
     def _unwound(self, task: asyncio.Task[None]) -> None:
         self._unwinding.discard(task)
         if not task.cancelled():
             task.exception()  # the error thrown into the operation, raised again by it: expected
 
-    def _orphan_answer(self, req: dict[str, Any], answer: Any) -> None:
-        follow = self._ops._orphaned(req, answer)
-        proto = self._proto
-        if follow is not None and proto is not None and not proto.broken:
+    def _orphan_answer(self, wire: _AsyncWire, req: dict[str, Any], answer: Any) -> None:
+        follow = wire.ops._orphaned(req, answer)
+        proto = wire.proto
+        if follow is not None and not proto.broken:
             follow["id"] = next(self._ids)
             proto.transport.write(protocol.encode(follow))
 
-    async def _request(self, req: Any, held: list[bytes]) -> Any:
-        proto = self._proto
-        if proto is None or proto.broken:
-            raise HicachedError(CONNECTION, proto.broken if proto else "the client is not connected")
+    async def _request(self, wire: _AsyncWire, req: Any, held: list[bytes]) -> Any:
+        proto = wire.proto
+        if proto.broken:
+            raise HicachedError(CONNECTION, proto.broken)
         if isinstance(req, SideAttach):
             loop = asyncio.get_running_loop()
             path, timeout = self.socket_path, self.timeout
@@ -599,7 +1051,7 @@ class AsyncClient:
             if held:
                 proto.transport.write(b"".join(held))
                 held.clear()
-            return await self._collect(*req.ticket)
+            return await self._collect(wire, *req.ticket)
         rid = next(self._ids)
         req["id"] = rid
         held.append(protocol.encode(req))
@@ -612,10 +1064,10 @@ class AsyncClient:
             held.clear()
         if isinstance(req, _Send):
             return (rid, fut, req)  # the ticket: collected by a later _Await
-        return None if fut is None else await self._collect(rid, fut, req)
+        return None if fut is None else await self._collect(wire, rid, fut, req)
 
     async def _collect(
-        self, rid: int, fut: asyncio.Future[dict[str, Any]], req: dict[str, Any]
+        self, wire: _AsyncWire, rid: int, fut: asyncio.Future[dict[str, Any]], req: dict[str, Any]
     ) -> dict[str, Any]:
         answered = False
         try:
@@ -626,14 +1078,19 @@ class AsyncClient:
         except TimeoutError:
             raise HicachedError(TIMEOUT, f"no answer from the daemon within {self.timeout}s") from None
         finally:
-            proto = self._proto
-            if proto is not None:
-                proto.waiters.pop(rid, None)
-                if not answered and not proto.broken:
-                    if fut.done() and not fut.cancelled() and fut.exception() is None:
-                        self._orphan_answer(req, fut.result())  # answered just as we gave up
-                    elif not fut.done() or fut.cancelled():
-                        proto.orphans[rid] = req
+            proto = wire.proto
+            proto.waiters.pop(rid, None)
+            if not answered and not proto.broken:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._orphan_answer(wire, req, fut.result())  # answered just as we gave up
+                elif not fut.done() or fut.cancelled():
+                    proto.orphans[rid] = req
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A reconnect's outcome is read by whoever waits on it; none may be left (all cancelled)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def control(socket_path: str, op: str, timeout: float = DEFAULT_TIMEOUT, **args: Any) -> dict[str, Any]:

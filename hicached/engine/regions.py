@@ -1,6 +1,7 @@
 """Engine-side memory regions: `shared_buffer` (a uint8 tensor over a new sealed memfd), describing a
-tensor or an fd as a `region_attach` request, the side connection that passes a memfd to the daemon, and
-the region operations, written once (as generators, like the rest of `_Ops`) for both clients."""
+tensor or an fd as a `region_attach` request, the side connection that passes a memfd to the daemon, the
+region operations, written once (as generators, like the rest of `_Ops`) for both clients, and the book of
+registered regions that a client registers again after a reconnect."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hicached.common import protocol
-from hicached.common.errors import BAD_REQUEST, CONNECTION, TIMEOUT, HicachedError
+from hicached.common.errors import BAD_REQUEST, CONNECTION, NOT_FOUND, TIMEOUT, HicachedError
 from hicached.common.geometry import default_num_pages
 from hicached.common.memfd import SEALS, map_memfd
 
@@ -260,3 +262,100 @@ class RegionOps:
             return 0
         req = {"op": "load_pages", "handle": operator.index(handle), "page_indices": pages, "keys": keys}
         return (yield req)["n"]
+
+
+@dataclass
+class _Registered:
+    memory: Any  # what the engine registered (a tensor), or our duplicate of the fd it registered
+    page_bytes: int
+    segments: list[list[int]] | None
+    num_pages: int | None
+    owned_fd: int | None  # ours to close: a duplicate, since the engine may close its own fd
+    gen: int  # the connection the daemon's handle belongs to
+    daemon: int
+    lost: str | None = None  # why it could not be registered again after a reconnect
+
+
+class RegionBook:
+    """The regions a client registered, kept so that it can register them again on a new connection after
+    the daemon restarted (regions belong to a connection): the engine keeps its handle, the daemon's may
+    change. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._book: dict[int, _Registered] = {}
+
+    def __len__(self) -> int:
+        return len(self._book)
+
+    def add(
+        self,
+        memory: Any,
+        page_bytes: int,
+        segments: Sequence[Sequence[int]] | None,
+        num_pages: int | None,
+        gen: int,
+        daemon: int,
+        current_gen: int,
+    ) -> int:
+        """Records a region the daemon registered on connection `gen` as `daemon`; the engine's handle."""
+        owned = None
+        if isinstance(memory, int) and not isinstance(memory, bool):
+            owned = memory = fcntl.fcntl(memory, fcntl.F_DUPFD_CLOEXEC, 3)
+        segs = [[operator.index(v) for v in s] for s in segments] if segments is not None else None
+        entry = _Registered(memory, page_bytes, segs, num_pages, owned, gen, daemon)
+        if gen != current_gen:  # the daemon restarted while it was being registered: it went with it
+            entry.lost = "the daemon restarted while it was being registered"
+        with self._lock:
+            handle = daemon
+            if handle in self._book or handle < 0:
+                handle = max(1, max(self._book, default=0) + 1)
+            self._book[handle] = entry
+        return handle
+
+    def daemon_handle(self, handle: Any, gen: int) -> Any:
+        """The daemon's handle, on connection `gen`, of the engine's `handle`; raises not_found for a region
+        that could not be registered again after a reconnect. Handles this book does not know (local
+        regions, wrong ones) pass as they are."""
+        entry = self._book.get(handle) if isinstance(handle, int) else None
+        if entry is None:
+            return handle
+        if entry.gen == gen and entry.lost is None:
+            return entry.daemon
+        why = entry.lost or "it belonged to a connection that is gone"
+        raise HicachedError(
+            NOT_FOUND,
+            f"region {handle} is not registered with the daemon any more ({why}): unregister it and "
+            "register it again",
+        )
+
+    def entries(self) -> list[tuple[int, _Registered]]:
+        with self._lock:
+            return list(self._book.items())
+
+    def moved(self, handle: int, gen: int, daemon: int) -> bool:
+        """The region was registered again on connection `gen`; False if it was unregistered meanwhile."""
+        with self._lock:
+            entry = self._book.get(handle)
+            if entry is None:
+                return False
+            entry.gen, entry.daemon, entry.lost = gen, daemon, None
+            return True
+
+    def lose(self, handle: int, why: str) -> None:
+        with self._lock:
+            entry = self._book.get(handle)
+            if entry is not None:
+                entry.lost = why
+
+    def pop(self, handle: Any) -> _Registered | None:
+        with self._lock:
+            entry = self._book.pop(handle, None) if isinstance(handle, int) else None
+        if entry is not None and entry.owned_fd is not None:
+            os.close(entry.owned_fd)
+            entry.memory = entry.owned_fd = None
+        return entry
+
+    def close(self) -> None:
+        for handle, _ in self.entries():
+            self.pop(handle)

@@ -18,7 +18,7 @@ from hicached import config
 from hicached.common import protocol
 from hicached.common.errors import HicachedError
 from hicached.daemon.service.lifecycle import Daemon
-from hicached.engine.client import AsyncClient, Client
+from hicached.engine.client import AsyncClient, Client, _Wire
 from hicached.engine.ops import _as_bytes_array
 from hicached.engine.ops import _copy_pages as client_ops_native
 
@@ -144,21 +144,21 @@ def test_stores_copy_into_slots_held_ahead(threaded_daemon, monkeypatch):
     # bind them to keys (put), with no allocation to wait for.
     sock = threaded_daemon.server.path
     ops: list[str] = []
-    real_send = Client._send
+    real_send = _Wire._send
 
     def send(self, req, held):
         ops.append(req["op"])
         return real_send(self, req, held)
 
-    monkeypatch.setattr(Client, "_send", send)
+    monkeypatch.setattr(_Wire, "_send", send)
     writes: list[int] = []
-    real_write = Client._write
+    real_write = _Wire._write
 
     def write(self, held):
         writes.append(len(held))
         return real_write(self, held)
 
-    monkeypatch.setattr(Client, "_write", write)
+    monkeypatch.setattr(_Wire, "_write", write)
     keys = [f"ahead{i}" for i in range(100)]
     pages = [os.urandom(PAGE) for _ in keys]
     with Client(sock, "ahead.ns", PAGE) as c:
@@ -191,13 +191,16 @@ def test_stores_copy_into_slots_held_ahead(threaded_daemon, monkeypatch):
         assert c.stats()["pool"]["reserved"] == 0
 
 
-def test_slots_held_ahead_are_never_written_once_the_daemon_closed_the_connection(threaded_daemon):
+@pytest.mark.parametrize("reconnect", [0, 5.0])
+def test_slots_held_ahead_are_never_written_once_the_daemon_closed_the_connection(threaded_daemon, reconnect):
     # The daemon frees a closed connection's reserved slots and hands them to other pages at once. A store
     # that needs no refill copies into slots held ahead before it sends anything: it must see the close.
+    # Without reconnects it fails; with them it runs on a new connection, with slots of its own.
     sock = threaded_daemon.server.path
     keys_a, keys_b = [f"a{i}" for i in range(72)], [f"b{i}" for i in range(64)]
     pages_a, pages_b = [os.urandom(PAGE) for _ in keys_a], [os.urandom(PAGE) for _ in keys_b]
-    with Client(sock, "gone.ns", PAGE) as a, Client(sock, "gone.ns", PAGE) as b:
+    ns = f"gone{reconnect:g}.ns"
+    with Client(sock, ns, PAGE, reconnect=reconnect) as a, Client(sock, ns, PAGE) as b:
         assert a.store(keys_a[:64], pages_a[:64]) == [True] * 64
         held = len(a._ops._reserved)
         assert held == a._ops._reserve_limit == 64  # a store of 8 will ask for nothing first
@@ -208,9 +211,13 @@ def test_slots_held_ahead_are_never_written_once_the_daemon_closed_the_connectio
             threading.Event().wait(0.01)
         assert b.stats()["pool"]["reserved"] == 0
         assert b.store(keys_b, pages_b) == [True] * 64  # into the slots a held: freed slots go first
-        with pytest.raises(HicachedError) as e:
-            a.store(keys_a[64:], pages_a[64:])
-        assert e.value.code == "connection"
+        if reconnect:
+            assert a.store(keys_a[64:], pages_a[64:]) == [True] * 8
+            assert a.reconnects == 1 and a.get(keys_a) == pages_a
+        else:
+            with pytest.raises(HicachedError) as e:
+                a.store(keys_a[64:], pages_a[64:])
+            assert e.value.code == "connection"
         assert b.get(keys_b) == pages_b
 
 
@@ -221,13 +228,13 @@ def test_store_refused_while_draining_collects_each_answer_once(threaded_daemon,
     keys = [f"drain{i}" for i in range(48)]
     pages = [os.urandom(PAGE) for _ in keys]
     collected: list[int] = []
-    real_collect = Client._collect
+    real_collect = _Wire._collect
 
     def collect(self, rid):
         collected.append(rid)
         return real_collect(self, rid)
 
-    monkeypatch.setattr(Client, "_collect", collect)
+    monkeypatch.setattr(_Wire, "_collect", collect)
     with Client(sock, "drain.ns", PAGE, timeout=60) as c:
         assert c.store(keys[:8], pages[:8]) == [True] * 8  # and slots held ahead for the next stores
         held = len(c._ops._reserved)
