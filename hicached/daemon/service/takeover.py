@@ -63,19 +63,24 @@ def endpoint_path(socket_path: str) -> str:
     return socket_path + SUFFIX
 
 
-def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """Why an instance described by `theirs` cannot hand its L2 to one described by `mine` (or take it),
-    or None when they fit. Pure: both ends run it on the hello and the offer."""
-    if theirs.get("version") != VERSION:
-        return f"the other instance speaks takeover version {theirs.get('version')!r}, this one {VERSION}"
-    if theirs.get("format") != keep.FORMAT:
-        return f"the other instance's L2 index format is {theirs.get('format')!r}, this one's {keep.FORMAT}"
+def mismatch(running: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """Why the running instance, described by `running` (its offer), cannot hand its L2 to the new one
+    described by `new` (its hello), or None when they fit. Pure: both ends run it."""
+    for key, what in (("version", "speaks takeover version"), ("format", "writes L2 index format")):
+        a, b = running.get(key), new.get(key)
+        if a != b or type(a) is not int:
+            return f"the running daemon {what} {a!r} and the new instance {b!r}"
     for key, name in (("pool_bytes", "pool.capacity"), ("slab_bytes", "pool.slab_size")):
-        a, b = mine[key], theirs.get(key)
-        if type(b) is not int or a != b:
-            shown = format_size(b) if type(b) is int else repr(b)
-            return f"{name} is {format_size(a)} here and {shown} in the other instance"
+        a, b = (_size(d.get(key)) for d in (running, new))
+        if a != b:
+            return (
+                f"{name} is {a} in the running daemon and {b} in the new instance (a takeover keeps L2 as is)"
+            )
     return None
+
+
+def _size(v: Any) -> str:
+    return format_size(v) if type(v) is int else repr(v)
 
 
 def describe(pool_bytes: int, slab_bytes: int) -> dict[str, Any]:
@@ -220,7 +225,7 @@ async def request(socket_path: str, pool_bytes: int, slab_bytes: int) -> Handed 
             offer, _ = await _recv(sock, ANSWER_S)
             if offer["op"] == "refused":
                 raise TakeoverError(f"the daemon (pid {pid}) refused the takeover: {offer.get('reason')}")
-            why = mismatch(mine, offer) if offer["op"] == "offer" else f"it answered {offer['op']!r}"
+            why = mismatch(offer, mine) if offer["op"] == "offer" else f"it answered {offer['op']!r}"
             if why is not None:
                 raise TakeoverError(f"cannot take over from the daemon (pid {pid}): {why}")
             await _send(sock, {"op": "go"})
@@ -322,17 +327,19 @@ class Endpoint:
         except OSError:
             conn.close()
             return
-        if not _trusted(uid):
-            await self._refuse(
-                conn, pid, f"uid {uid} may not take over this daemon (only uid {os.getuid()} or 0)"
-            )
-            return
         d = self.daemon
         try:
             hello, _ = await _recv(conn, ANSWER_S)
         except _PeerError as e:
             log.warning("takeover from pid %d abandoned before it began: %s; serving on", pid, e)
             conn.close()
+            return
+        # Checked once its hello is read: closing a socket with bytes unread resets it, and the refusal
+        # would not reach the peer.
+        if not _trusted(uid):
+            await self._refuse(
+                conn, pid, f"uid {uid} may not take over this daemon (only uid {os.getuid()} or 0)"
+            )
             return
         if self._busy or d.should_exit.is_set() or d.tiers is None:
             await self._refuse(conn, pid, "the daemon is already being taken over or stopping")

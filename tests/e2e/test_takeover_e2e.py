@@ -1,0 +1,290 @@
+"""Takeover without systemd (issue #19, point 3): a second `hicached serve` on the same socket takes the
+socket, L2 and its index from the running daemon, with engines running; refusals leave the old one serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+from churn import page_of
+from daemon_proc import DaemonProcess
+
+from hicached.common.errors import HicachedError
+from hicached.daemon.service import takeover
+from hicached.engine.client import Client, control
+
+PAGE = 32 * 1024
+SUPPORT = os.path.join(os.path.dirname(__file__), "..", "support")
+OTHER_USER = "hicached-test-other"
+
+
+def _successor(old: DaemonProcess, name: str = "new.log") -> DaemonProcess:
+    """A second instance on the old one's configuration (same socket), logging apart."""
+    new = DaemonProcess(old.workdir, old.config)
+    new.log_path = os.path.join(old.workdir, name)
+    return new
+
+
+def _serve(d: DaemonProcess) -> subprocess.Popen[bytes]:
+    with open(d.log_path, "ab") as log:
+        d.proc = subprocess.Popen(
+            [sys.executable, "-m", "hicached", "serve", "--config", d.config_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=d.workdir,
+        )
+    return d.proc
+
+
+def _wait_pid(path: str, pid: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if control(path, "status", timeout=5.0)["pid"] == pid:
+                return
+        except HicachedError:
+            pass
+        assert time.monotonic() < deadline, f"pid {pid} did not come to serve {path}"
+        time.sleep(0.05)
+
+
+class Probe(threading.Thread):
+    """Connects to the socket again and again while it runs: a `status` answered, a connection dropped (an
+    instance handing over), or the socket unreachable (nothing listening: what must never happen)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.answered: set[int] = set()  # pids that answered
+        self.dropped = 0
+        self.unreachable: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.answered.add(control(self.path, "status", timeout=60.0)["pid"])
+            except HicachedError as e:
+                if "no hicached daemon is listening" in str(e) or "permissions" in str(e):
+                    self.unreachable.append(str(e))
+                else:
+                    self.dropped += 1
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    started: list[DaemonProcess] = []
+
+    def make(overrides: dict | None = None, workdir: str | None = None) -> DaemonProcess:
+        d = DaemonProcess(workdir or str(tmp_path / "d"), overrides)
+        started.append(d)
+        return d.start()
+
+    make.started = started
+    yield make
+    for d in started:
+        if d.alive:
+            d.proc.kill()
+            d.proc.wait()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_takeover_under_load(daemons, tmp_path, policy):
+    """Four engine processes store and load while a new instance takes over: 0 wrong bytes, no call failed
+    but by a connection drop (and was answered after it), every page acknowledged is a hit after from L2, the
+    old process exits 0, and the socket answers throughout."""
+    # A pool that holds every page the engines store: a hit after the takeover is one from before it.
+    old = daemons({"storage": {"write_policy": policy}, "pool": {"capacity": "256MiB"}})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SUPPORT, os.environ.get("PYTHONPATH", "")])}
+    procs = []
+    for i in range(4):
+        ns, out = f"take.e{i}", str(tmp_path / f"load{i}.jsonl")
+        argv = [sys.executable, "-m", "takeover_load", old.socket, ns, str(PAGE), "12", out, "0.05", "4"]
+        procs.append((subprocess.Popen(argv, env=env), ns, out))
+    deadline = time.monotonic() + 60
+    while True:  # take over once every engine has stored a while (they start slowly on a busy machine)
+        stats = old.ctl("stats")
+        if len(stats["namespaces"]) == 4 and stats["counters"].get("store.pages", 0) >= 160:
+            break
+        assert time.monotonic() < deadline, stats["counters"]
+        time.sleep(0.1)
+    old_pid = old.proc.pid
+    probe = Probe(old.socket)
+    probe.start()
+    time.sleep(0.3)
+    new = _successor(old)
+    daemons.started.append(new)
+    handed_at = time.time()
+    _serve(new)
+    assert old.proc.wait(60) == 0, old.log()
+    _wait_pid(old.socket, new.proc.pid)
+    time.sleep(0.5)
+    probe.stop.set()
+    probe.join(70)
+    for p, _, _ in procs:
+        assert p.wait(120) == 0
+    assert probe.unreachable == [], probe.unreachable
+    assert {old_pid, new.proc.pid} <= probe.answered, "both instances answered the probe"
+    acked: dict[str, list[str]] = {}
+    all_calls: list[dict] = []
+    for _, ns, out in procs:
+        with open(out) as f:
+            calls = [json.loads(line) for line in f]
+        assert [c for c in calls if "error" in c or "unreachable" in c] == []
+        assert [c for c in calls if c["ok"] != c["n"]] == [], (
+            "every store acknowledged, every load a full hit"
+        )
+        assert sum(c.get("wrong", 0) for c in calls) == 0
+        acked[ns] = [k for c in calls if c["op"] == "store" for k in c["keys"]]
+        all_calls += calls
+    # Engines stored on both sides of the takeover (a Client that reconnects by itself shows no drop here).
+    assert new.ctl("stats")["counters"].get("store.pages", 0) > 0, "engines stored after the takeover"
+    first, last = min(c["t"] for c in all_calls), max(c["t"] for c in all_calls)
+    assert first < handed_at < last, "the engines' traffic spanned the takeover"
+    assert "handed over to pid" in old.log(), old.log()
+    log = new.log()
+    assert "taking over from pid" in log and "0 did not verify" in log, log
+    for ns, keys in acked.items():
+        with Client(new.socket, ns, PAGE) as c:
+            got = c.get(keys)
+            assert len(got) == len(keys), f"{ns}: {len(got)} of {len(keys)} acknowledged pages are hits"
+            assert all(g == page_of(k, PAGE) for g, k in zip(got, keys, strict=True))
+    stats = new.ctl("stats")
+    assert stats["pool"].get("evictions", 0) == 0
+    assert stats["counters"].get("prefetch.pages", 0) == 0, "every hit came from L2, none from L3"
+    assert stats["counters"]["keep.pages"] > 0
+    flushed = new.ctl("flush")
+    assert flushed["flushed"] and flushed["lost"] == 0, flushed
+    assert new.stop() == 0, new.log()
+    assert not os.path.exists(new.socket), "the new instance removes the socket it took over at its stop"
+
+
+def test_takeover_refused_for_another_capacity(daemons, tmp_path):
+    """A new instance with another pool.capacity says why in one line and exits 1; the old one serves on,
+    with its pages."""
+    old = daemons()
+    keys = [f"k{i}" for i in range(16)]
+    with Client(old.socket, "take.cap", PAGE) as c:
+        assert c.store(keys, [page_of(k, PAGE) for k in keys]) == [True] * len(keys)
+    new = DaemonProcess(
+        str(tmp_path / "n"), {"server": {"socket": old.socket}, "pool": {"capacity": "64MiB"}}
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "hicached", "serve", "--config", new.config_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=new.workdir,
+    )
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, r.stderr
+    assert (
+        "refused the takeover: pool.capacity is 128.0MiB in the running daemon and 64.0MiB in the new "
+        "instance" in errors[0]
+    )
+    assert "serves on" in errors[0]
+    assert "L2 pool of" not in r.stderr, "no pool was allocated"
+    assert old.alive and control(old.socket, "status")["pid"] == old.proc.pid
+    assert "refused a takeover from pid" in old.log()
+    with Client(old.socket, "take.cap", PAGE) as c:
+        assert c.get(keys) == [page_of(k, PAGE) for k in keys]
+    # The endpoint still offers a takeover: one that fits succeeds.
+    new = _successor(old)
+    daemons.started.append(new)
+    _serve(new)
+    assert old.proc.wait(60) == 0, old.log()
+    _wait_pid(old.socket, new.proc.pid)
+    with Client(new.socket, "take.cap", PAGE) as c:
+        assert c.get(keys) == [page_of(k, PAGE) for k in keys]
+
+
+def _other_user() -> pwd.struct_passwd:
+    if os.getuid() != 0:
+        pytest.skip("playing another uid needs root (CI runs as root): setuid to a system user")
+    try:
+        return pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        pass
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not installed: no other uid to play")
+    subprocess.run(["useradd", "--system", "--no-create-home", OTHER_USER], check=True, capture_output=True)
+    return pwd.getpwnam(OTHER_USER)
+
+
+def test_another_uid_cannot_take_over(daemons):
+    """A process of another uid reaches the endpoint (the socket's mode lets it in) and is refused by its
+    SO_PEERCRED; the daemon serves on."""
+    user = _other_user()
+    workdir = tempfile.mkdtemp(prefix="hicached-takeover-")  # under /tmp: a directory the other uid can reach
+    os.chmod(workdir, 0o755)
+    try:
+        old = daemons({"server": {"socket_mode": "0666"}}, workdir=workdir)
+        cap, slab = 128 << 20, 4 << 20
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest from here, only what was imported before the fork
+            code = 3
+            try:
+                os.close(read)
+                os.setgroups([])
+                os.setgid(user.pw_gid)
+                os.setuid(user.pw_uid)
+                try:
+                    asyncio.run(takeover.request(old.socket, cap, slab))
+                    msg = "taken over"
+                except takeover.TakeoverError as e:
+                    msg, code = str(e), 0
+                os.write(write, msg.encode())
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            msg = f.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, msg
+        assert f"uid {user.pw_uid} may not take over this daemon" in msg, msg
+        assert old.alive and control(old.socket, "status")["pid"] == old.proc.pid
+        assert f"refused a takeover from pid {pid}: uid {user.pw_uid} may not take over" in old.log()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_new_instance_gone_after_the_hand_over(daemons):
+    """A new instance that takes the fds and goes away without serving: the old one serves again in its own
+    process (same pid), from the same socket and L2; nothing acknowledged is lost under write-back."""
+    old = daemons({"storage": {"write_policy": "write_back"}})
+    keys = [f"k{i}" for i in range(24)]
+    with Client(old.socket, "take.gone", PAGE) as c:
+        assert c.store(keys, [page_of(k, PAGE) for k in keys]) == [True] * len(keys)
+
+    async def take_and_vanish() -> int:
+        handed = await takeover.request(old.socket, 128 << 20, 4 << 20)
+        for fd in (handed.pool_fd, handed.index_fd):
+            os.close(fd)
+        handed.listen.close()
+        handed.sock.close()
+        return handed.pages
+
+    assert asyncio.run(take_and_vanish()) == 24
+    deadline = time.monotonic() + 60
+    while "24 pages served again" not in old.log():
+        assert old.alive and time.monotonic() < deadline, old.log()
+        time.sleep(0.05)
+    _wait_pid(old.socket, old.proc.pid)
+    assert "did not take over after the hand-over" in old.log()
+    with Client(old.socket, "take.gone", PAGE) as c:
+        assert c.get(keys) == [page_of(k, PAGE) for k in keys]
+    flushed = old.ctl("flush")
+    assert flushed["flushed"] and flushed["lost"] == 0 and flushed["not_in_l3"] == 0, flushed
+    assert old.stop() == 0, old.log()
