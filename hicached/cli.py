@@ -127,7 +127,10 @@ def _print_human(d: dict, indent: int = 0) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hicached", description="Tiered KV-cache daemon for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground (taking over from one that serves the same socket)",
+    )
     p.add_argument("--config", default=DEFAULT_CONFIG, help="TOML configuration (default: ./hicached.toml)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("check-config", help="validate a configuration file")
