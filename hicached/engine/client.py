@@ -835,7 +835,12 @@ class AsyncClient:
         if task is None or task.done():
             task = self._redialing = asyncio.get_running_loop().create_task(self._redial(cur or old))
             task.add_done_callback(_retrieved)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self._closed:  # close() stopped the reconnect, not this caller
+                raise HicachedError(CONNECTION, "the client is closed") from None
+            raise
 
     async def _redial(self, old: _AsyncWire) -> _AsyncWire:
         why = old.proto.broken
