@@ -25,6 +25,10 @@ from hicached.engine.client import Client, control
 PAGE = 32 * 1024
 SUPPORT = os.path.join(os.path.dirname(__file__), "..", "support")
 OTHER_USER = "hicached-test-other"
+# Named in every test's configuration, not taken from daemon_proc.BASE_CONFIG: a test that changes its own
+# daemon's config in place can change the shared default for the tests after it.
+POOL = {"capacity": "128MiB", "slab_size": "4MiB"}
+CAP, SLAB = 128 << 20, 4 << 20
 
 
 def _successor(old: DaemonProcess, name: str = "new.log") -> DaemonProcess:
@@ -104,7 +108,7 @@ def test_takeover_under_load(daemons, tmp_path, policy):
     but by a connection drop (and was answered after it), every page acknowledged is a hit after from L2, the
     old process exits 0, and the socket answers throughout."""
     # A pool that holds every page the engines store: a hit after the takeover is one from before it.
-    old = daemons({"storage": {"write_policy": policy}, "pool": {"capacity": "256MiB"}})
+    old = daemons({"storage": {"write_policy": policy}, "pool": {**POOL, "capacity": "256MiB"}})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SUPPORT, os.environ.get("PYTHONPATH", "")])}
     procs = []
     for i in range(4):
@@ -172,7 +176,7 @@ def test_takeover_under_load(daemons, tmp_path, policy):
 def test_takeover_refused_for_another_capacity(daemons, tmp_path):
     """A new instance with another pool.capacity says why in one line and exits 1; the old one serves on,
     with its pages."""
-    old = daemons()
+    old = daemons({"pool": POOL})
     keys = [f"k{i}" for i in range(16)]
     with Client(old.socket, "take.cap", PAGE) as c:
         assert c.store(keys, [page_of(k, PAGE) for k in keys]) == [True] * len(keys)
@@ -229,8 +233,7 @@ def test_another_uid_cannot_take_over(daemons):
     workdir = tempfile.mkdtemp(prefix="hicached-takeover-")  # under /tmp: a directory the other uid can reach
     os.chmod(workdir, 0o755)
     try:
-        old = daemons({"server": {"socket_mode": "0666"}}, workdir=workdir)
-        cap, slab = 128 << 20, 4 << 20
+        old = daemons({"server": {"socket_mode": "0666"}, "pool": POOL}, workdir=workdir)
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: no pytest from here, only what was imported before the fork
@@ -241,7 +244,7 @@ def test_another_uid_cannot_take_over(daemons):
                 os.setgid(user.pw_gid)
                 os.setuid(user.pw_uid)
                 try:
-                    asyncio.run(takeover.request(old.socket, cap, slab))
+                    asyncio.run(takeover.request(old.socket, CAP, SLAB))
                     msg = "taken over"
                 except takeover.TakeoverError as e:
                     msg, code = str(e), 0
@@ -263,13 +266,13 @@ def test_another_uid_cannot_take_over(daemons):
 def test_new_instance_gone_after_the_hand_over(daemons):
     """A new instance that takes the fds and goes away without serving: the old one serves again in its own
     process (same pid), from the same socket and L2; nothing acknowledged is lost under write-back."""
-    old = daemons({"storage": {"write_policy": "write_back"}})
+    old = daemons({"storage": {"write_policy": "write_back"}, "pool": POOL})
     keys = [f"k{i}" for i in range(24)]
     with Client(old.socket, "take.gone", PAGE) as c:
         assert c.store(keys, [page_of(k, PAGE) for k in keys]) == [True] * len(keys)
 
     async def take_and_vanish() -> int:
-        handed = await takeover.request(old.socket, 128 << 20, 4 << 20)
+        handed = await takeover.request(old.socket, CAP, SLAB)
         for fd in (handed.pool_fd, handed.index_fd):
             os.close(fd)
         handed.listen.close()
