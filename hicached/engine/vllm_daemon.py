@@ -51,6 +51,13 @@ def _load_op(handle: int, pages: list[int], keys: list[str], fetch: bool) -> Op:
     return (yield req)["n"]
 
 
+def load_pages(client: Client, handle: int, pages: list[int], keys: list[str], fetch: bool) -> int:
+    """Client.load_pages, with the daemon's `fetch` flag (which Client.load_pages does not pass)."""
+    return client._call(
+        lambda w: _load_op(client._regions.daemon_handle(handle, w.gen), pages, keys, fetch), retry=False
+    )
+
+
 class Daemon:
     """The connection, made on first use and again after it broke (with backoff), by whichever I/O thread
     needs it: never under vLLM's lock."""
@@ -143,7 +150,9 @@ class Daemon:
         parts = row_parts(self.row_bytes, int(slab))
         part_bytes = self.row_bytes // parts
         ns = namespace(self.prefix, self.fields, part_bytes)
-        client = Client(self.socket_path, ns, part_bytes, timeout=self.timeout_s)
+        # reconnect=0: a call on a connection that broke fails at once; this class connects again (and may
+        # find another slab size, so other parts and another namespace) on the next use, with backoff.
+        client = Client(self.socket_path, ns, part_bytes, timeout=self.timeout_s, reconnect=0)
         try:
             segments = [[self.region.offset, part_bytes, part_bytes]]
             pages = self.num_rows * parts
@@ -238,7 +247,7 @@ class Daemon:
         n = 0
         for i in range(0, len(names), MAX_KEYS):
             batch = names[i : i + MAX_KEYS]
-            got = conn.client._run(_load_op(conn.handle, pages[i : i + MAX_KEYS], batch, fetch))
+            got = load_pages(conn.client, conn.handle, pages[i : i + MAX_KEYS], batch, fetch)
             n += got
             if got < len(batch):
                 break
