@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 import signal
@@ -44,9 +45,13 @@ def _value(v: Any) -> str:
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
+    """A new dict: `over` laid on `base`, table by table. Nothing of `base` is shared with it, so a test that
+    changes its daemon's config (d.config["pool"][...] = ...) never changes BASE_CONFIG for the next one."""
+    out = copy.deepcopy(base)
     for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+        )
     return out
 
 

@@ -1,12 +1,14 @@
 """An engine's steady traffic, in a process of its own, for tests and benchmarks of L3 faults: every PERIOD it
 stores a batch of new pages and loads back the batch it stored before, and writes what each call did.
 
-    python -m steady_load SOCKET NAMESPACE PAGE_BYTES SECONDS OUT [PERIOD_S] [BATCH]
+    python -m steady_load SOCKET NAMESPACE PAGE_BYTES SECONDS OUT [PERIOD_S] [BATCH] [UNTIL_RECONNECTS]
 
 OUT receives one JSON object a line: {"op": "store"|"load", "t": wall-clock start, "s": seconds taken,
 "ok": pages stored or loaded, "n": pages asked for, "wrong": pages loaded holding other bytes, "keys": the
-keys acknowledged (stores), "error": the error code of a call that raised}. Page bytes follow from keys
-(churn.page_of)."""
+keys acknowledged (stores), "error": the error code of a call that raised}, and last {"op": "end",
+"reconnects": how often the client dialled the daemon again}. With UNTIL_RECONNECTS, it stops one store and
+load after the client has reconnected that often (a restart under load, and no more load after it). Page
+bytes follow from keys (churn.page_of)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from hicached import Client, HicachedError
 
 
 def run(
-    socket: str, namespace: str, page_bytes: int, seconds: float, period: float, batch: int
+    socket: str, namespace: str, page_bytes: int, seconds: float, period: float, batch: int, until: int = 0
 ) -> list[dict]:
     calls: list[dict] = []
     prefix = f"p{time.time_ns()}"
@@ -29,7 +31,9 @@ def run(
     n = 0
     previous: list[str] = []
     with Client(socket, namespace, page_bytes, timeout=60) as c:
-        while time.monotonic() < deadline:
+        last = False
+        while time.monotonic() < deadline and not last:
+            last = bool(until) and c.reconnects >= until
             tick = time.monotonic()
             keys = [f"{prefix}-{n + i}" for i in range(batch)]
             n += batch
@@ -58,6 +62,7 @@ def run(
                 calls.append(call)
             previous = keys
             time.sleep(max(0.0, period - (time.monotonic() - tick)))
+        calls.append({"op": "end", "reconnects": c.reconnects})
     return calls
 
 
@@ -65,7 +70,8 @@ def main(argv: list[str]) -> int:
     socket, namespace, page_bytes, seconds, out, *rest = argv
     period = float(rest[0]) if rest else 0.02
     batch = int(rest[1]) if len(rest) > 1 else 4
-    calls = run(socket, namespace, int(page_bytes), float(seconds), period, batch)
+    until = int(rest[2]) if len(rest) > 2 else 0
+    calls = run(socket, namespace, int(page_bytes), float(seconds), period, batch, until)
     with open(out, "w") as f:
         f.writelines(json.dumps(c) + "\n" for c in calls)
     return 0
