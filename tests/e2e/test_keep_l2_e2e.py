@@ -169,8 +169,9 @@ def test_restart_under_load_keeps_every_acknowledged_page(systemd, tmp_path, pol
 
 
 def test_kept_pool_of_another_capacity_is_refused(systemd, tmp_path):
-    """A restart that changed pool.capacity: one log line says why, the kept pool is dropped from the store,
-    the daemon starts on a fresh pool and the warm list refills it from L3."""
+    """A restart that changed pool.capacity: one log line says why, the kept pool is dropped from the store
+    (which then holds the fresh pool and its slot headers), the daemon starts on a fresh pool and the warm
+    list refills it from L3."""
     d = systemd({"warmup": {"enabled": True}})
     keys = [f"k{i}" for i in range(32)]
     with Client(d.socket, "keep.cap", PAGE) as c:
@@ -184,7 +185,8 @@ def test_kept_pool_of_another_capacity_is_refused(systemd, tmp_path):
         "kept over the restart is not used: the kept pool holds 128.0MiB but pool.capacity is 64.0MiB" in log
     )
     d.store.drain(0.3)
-    assert d.store.names() == [], "refused fds are dropped from systemd's store"
+    assert sorted(d.store.names()) == sorted([keep.POOL_FDNAME, keep.META_FDNAME])
+    assert os.fstat(_stored(d.store, keep.POOL_FDNAME)).st_size == 64 << 20, "the refused pool was dropped"
     with Client(d.socket, "keep.cap", PAGE) as c:
         got = c.get(keys)
     assert got == [page_of(k, PAGE) for k in keys]
@@ -235,8 +237,8 @@ def test_changed_payload_in_the_kept_pool_is_a_miss(systemd):
 
 
 def test_restarts_in_a_row_and_a_crash(systemd):
-    """Kept over two restarts in a row; a crash (SIGKILL: nothing stored, the adopted fds were dropped from
-    the store at start) starts on a fresh pool."""
+    """Kept over two restarts in a row, and over a crash (SIGKILL): the pool and its slot headers stay in the
+    store while the daemon runs (the snapshot was dropped at start), and the index is rebuilt from them."""
     d = systemd({"storage": {"backend": "none"}})
     keys = [f"k{i}" for i in range(8)]
     with Client(d.socket, "keep.row", PAGE) as c:
@@ -247,11 +249,12 @@ def test_restarts_in_a_row_and_a_crash(systemd):
         with Client(d.socket, "keep.row", PAGE) as c:
             assert c.get(keys) == [page_of(k, PAGE) for k in keys]
     d.store.drain(0.3)
-    assert d.store.names() == []
+    assert sorted(d.store.names()) == sorted([keep.POOL_FDNAME, keep.META_FDNAME])
     d.stop(sig=9)
     d.start()
+    assert "index was rebuilt from 8 slot headers" in d.log(), d.log()
     with Client(d.socket, "keep.row", PAGE) as c:
-        assert c.get(keys) == []
+        assert c.get(keys) == [page_of(k, PAGE) for k in keys]
     _stop(d)
 
 

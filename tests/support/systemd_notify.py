@@ -1,8 +1,8 @@
 """A datagram socket standing in for systemd's $NOTIFY_SOCKET that keeps every notification in the order it
 came, so that tests can check what follows what (READY=1 after each RELOADING=1); and systemd's
-file-descriptor store: fds sent with FDSTORE=1 (SCM_RIGHTS) are kept under their FDNAME, FDSTOREREMOVE=1
-drops them, and `launch` starts a process with them as systemd does (fds from 3, LISTEN_FDS, LISTEN_FDNAMES,
-LISTEN_PID set to the process's own pid)."""
+file-descriptor store: fds sent with FDSTORE=1 (SCM_RIGHTS) are kept under their FDNAME (one copy of each
+file, as systemd keeps), FDSTOREREMOVE=1 drops them, and `launch` starts a process with them as systemd does
+(fds from 3, LISTEN_FDS, LISTEN_FDNAMES, LISTEN_PID set to the process's own pid)."""
 
 from __future__ import annotations
 
@@ -54,12 +54,22 @@ class NotifySocket:
         msg = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
         self.messages.append(msg)
         if fds and msg.get("FDSTORE") == "1":
-            self.stored += [(msg.get("FDNAME", "stored"), fd) for fd in fds]
+            for fd in fds:
+                if self._holds(fd):  # systemd keeps one copy of a file it already holds ("duplicate fd")
+                    os.close(fd)
+                else:
+                    self.stored.append((msg.get("FDNAME", "stored"), fd))
         else:
             for fd in fds:  # fds without FDSTORE=1: systemd closes them
                 os.close(fd)
         if msg.get("FDSTOREREMOVE") == "1":
             self.remove(msg.get("FDNAME", ""))
+
+    def _holds(self, fd: int) -> bool:
+        st = os.fstat(fd)
+        return any(
+            (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino) for o in (os.fstat(f) for _, f in self.stored)
+        )
 
     def remove(self, name: str) -> None:
         for fd in [fd for n, fd in self.stored if n == name]:

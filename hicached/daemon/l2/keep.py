@@ -33,7 +33,10 @@ log = logging.getLogger("hicached.keep")
 
 POOL_FDNAME = "hicached-l2"
 INDEX_FDNAME = "hicached-l2-index"
-FDNAMES = (POOL_FDNAME, INDEX_FDNAME)
+# The slot headers a crash rebuilds L2 from (hicached.daemon.l2.headers): stored beside the pool while the
+# daemon runs.
+META_FDNAME = "hicached-l2-meta"
+FDNAMES = (POOL_FDNAME, INDEX_FDNAME, META_FDNAME)
 FORMAT = 1
 MAGIC = b"HICL2IDX"
 _HEADER = struct.Struct("<8sIQQ")  # magic, format, body length, xxh3-64 of the body

@@ -3,6 +3,8 @@ size class and cut into slots of that class's size. Pure bookkeeping over offset
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 ALIGN = 4096
 
 
@@ -35,6 +37,8 @@ class SlabAllocator:
         self.classes: dict[int, SizeClass] = {}
         self._owner: list[SizeClass | None] = [None] * self.nslabs
         self._active = 0  # classes holding at least one slab, kept as slabs move: fair_share is O(1)
+        # Told (slab, slot bytes) when a slab is given to a class: the slot headers' slab table (headers.py).
+        self.on_assign: Callable[[int, int], None] | None = None
 
     def size_class(self, slot_bytes: int) -> SizeClass:
         cls = self.classes.get(slot_bytes)
@@ -74,6 +78,8 @@ class SlabAllocator:
         return True
 
     def _assign(self, slab: int, cls: SizeClass) -> None:
+        if self.on_assign is not None:
+            self.on_assign(slab, cls.slot_bytes)
         self._owner[slab] = cls
         self._active += not cls.slabs
         cls.slabs.add(slab)

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -36,6 +36,9 @@ from hicached.daemon.l2.slabs import SlabAllocator, slot_size
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.backup import Backup
 from hicached.daemon.sched.prefetch import Prefetcher
+
+if TYPE_CHECKING:
+    from hicached.daemon.l2.headers import Headers
 
 log = logging.getLogger("hicached.tiers")
 
@@ -138,6 +141,9 @@ class Tiers:
         self._lost_report = _EveryMinute(self.counters, "backup.lost", logging.ERROR)
         self._dropped_report = _EveryMinute(self.counters, "backup.dropped", logging.WARNING)
         self.index.on_remove = self._removed
+        # The slot headers a crash rebuilds L2 from (headers.Headers.attach sets them): written as pages
+        # become ready, reach L3 and leave.
+        self.headers: Headers | None = None
         self.index.on_short = self._backlog_full
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
@@ -191,6 +197,8 @@ class Tiers:
     def _removed(self, entries: list[Entry]) -> None:
         """Pages leaving L2 (it runs for the pages a full pool evicts): those in L3 are remembered; those owed
         to L3 that never reached it (dirty, given up by the backup, stranded without a backend) are lost."""
+        if self.headers is not None:
+            self.headers.clear(entries)
         abandoned, stranded, dropped = self.backup.abandoned, self.stranded, self.backup.dropped
         at_risk = bool(abandoned or stranded)
         bound = self.cfg.storage.known_in_l3_keys
@@ -233,6 +241,8 @@ class Tiers:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
         self.attached.set()
         self.known_in_l3.clear()  # what the previous backend held says nothing about this one
+        if self.headers is not None:
+            self.headers.l3(repr(connector.location()))
         # Another store (not the same one re-attached): pages that reached the old store are not known to
         # be in this one. They stay clean and evictable (a swap does not copy L2 into the new store, nor
         # hold the pool until it has), but a page that leaves L2 is no longer remembered as in L3, and a
@@ -511,6 +521,8 @@ class Tiers:
             # Owed to the configured backend, which is away (its breaker open, detached): backed up when it
             # attaches. With storage.backend = "none" the daemon is L2 only: nothing is owed.
             self.stranded.add(entry)
+        if self.headers is not None:
+            self.headers.commit(entry)  # before the answer: an acknowledged page outlives a crash
         self.index.unlease(entry)
         self.counters["store.pages"] += 1
         self.counters["store.bytes"] += entry.size

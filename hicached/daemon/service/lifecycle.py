@@ -16,6 +16,7 @@ from hicached.common.errors import BACKEND_UNAVAILABLE, BAD_REQUEST, HicachedErr
 from hicached.config import Config
 from hicached.config.diff import plan
 from hicached.connectors import BackendError, Connector, build
+from hicached.daemon.l2 import headers as slot_headers
 from hicached.daemon.l2 import keep
 from hicached.daemon.l2.pool import Pool, available_memory, check_capacity, check_kept_fd
 from hicached.daemon.sched import warmup
@@ -60,6 +61,7 @@ class Daemon:
         self._warm_pending: list[warmup.WarmPage] | None = None
         self._snapshot_task: asyncio.Task[Any] | None = None
         self.restored: keep.Restored | None = None  # L2 taken back from systemd's fd store at start
+        self.headers: slot_headers.Headers | None = None  # the pool's slot headers (what a crash keeps)
         self.takeover: takeover.Endpoint | None = None  # where a new instance asks to take over from this one
 
     # Lifecycle.
@@ -101,14 +103,14 @@ class Daemon:
 
     async def _start(
         self,
-        kept: tuple[Pool, keep.Snapshot] | None,
+        kept: tuple[Pool, keep.Snapshot | None, slot_headers.Headers | None] | None,
         listen_sock: socket.socket | None,
         handed: takeover.Handed | None = None,
     ) -> None:
         cfg = self.cfg
-        snapshot = None
+        snapshot = headers = None
         if kept is not None:
-            self.pool, snapshot = kept
+            self.pool, snapshot, headers = kept
         else:
             await self._memory_for_pool()
             try:
@@ -117,11 +119,31 @@ class Daemon:
                 raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
         self.tiers = Tiers(cfg, self.pool, None)
+        self.headers = headers or slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
+        self.headers.mark_adopted()
+        self.headers.attach(self.tiers)
+        self._store_l2()
         self.tiers.start()
+        scanned = None
+        if kept is not None and snapshot is None:
+            # No index snapshot (a crash): the index is rebuilt from the slot headers.
+            scanned = await asyncio.get_running_loop().run_in_executor(None, self.headers.scan)
+            snapshot = scanned.snapshot
         if snapshot is not None:
             # Before the backend attaches (which queues the kept pages not in L3 yet) and before the socket
             # listens (a page is served only once verified).
             r = self.restored = await keep.restore(self.tiers, self.pool, snapshot)
+            self.headers.restored(snapshot, r.entries)
+            if scanned is not None:
+                r.dropped += scanned.dropped
+                self.tiers.counters["keep.dropped"] += scanned.dropped
+                log.info(
+                    "no index snapshot came with the kept pool (a crash): its index was rebuilt from %d slot "
+                    "headers in %.2fs; %d of them did not check and were dropped",
+                    scanned.records,
+                    scanned.seconds,
+                    scanned.dropped,
+                )
             log.info(
                 "L2 kept over the restart: %d pages served again after %.2fs of verifying; %d did not verify "
                 "and were dropped (keep.dropped); %d are owed to L3 and queued for it",
@@ -160,19 +182,22 @@ class Daemon:
             self._reload_pending = False
             self._spawn(self.reload())
 
-    def _take_kept(self) -> tuple[Pool, keep.Snapshot] | None:
-        """The previous daemon's pool and index snapshot, passed back by systemd's fd store, when they
-        describe a pool of this configuration and verify; None otherwise (one log line says why)."""
+    def _take_kept(self) -> tuple[Pool, keep.Snapshot | None, slot_headers.Headers | None] | None:
+        """The previous daemon's pool, with its index snapshot or its slot headers, passed back by systemd's
+        fd store, when they describe a pool of this configuration; None otherwise (one log line says why)."""
         pool_fds, index_fds = take_passed(keep.POOL_FDNAME), take_passed(keep.INDEX_FDNAME)
-        if not pool_fds and not index_fds:
+        meta_fds = take_passed(keep.META_FDNAME)
+        if not pool_fds and not index_fds and not meta_fds:
             return None
-        # Whatever comes of them, systemd's copies go: a later start (after a crash) must not be handed a
-        # pool with a snapshot that no longer describes it, nor keep its memory while this daemon has its own.
-        for name in keep.FDNAMES:
-            self.notifier.remove_stored_fd(name)
+        # Whatever comes of it, the snapshot goes: a later start (after a crash) must not be handed one that
+        # no longer describes the pool. The pool and its slot headers stay stored while they are this
+        # daemon's (a crash keeps them), and go if they are not used: systemd would keep their memory.
+        self.notifier.remove_stored_fd(keep.INDEX_FDNAME)
         try:
-            return self._adopt_kept(pool_fds, index_fds)
+            return self._adopt_kept(pool_fds, index_fds, meta_fds)
         except (ValueError, OSError, MemoryError) as e:
+            self.notifier.remove_stored_fd(keep.POOL_FDNAME)
+            self.notifier.remove_stored_fd(keep.META_FDNAME)
             log.warning(
                 "the L2 pool kept over the restart is not used: %s; starting with a fresh pool (the warm "
                 "list refills it from L3)",
@@ -180,24 +205,56 @@ class Daemon:
             )
             return None
 
-    def _adopt_kept(self, pool_fds: list[int], index_fds: list[int]) -> tuple[Pool, keep.Snapshot]:
-        """The pool and index snapshot of a previous instance (systemd's fd store, or a takeover), checked
-        against this configuration and the memfd itself; ValueError, OSError or MemoryError saying why
-        otherwise. Every fd passed is closed or owned by the Pool returned."""
+    def _adopt_kept(
+        self, pool_fds: list[int], index_fds: list[int], meta_fds: list[int] | None = None
+    ) -> tuple[Pool, keep.Snapshot | None, slot_headers.Headers | None]:
+        """The pool of a previous instance (systemd's fd store, or a takeover) with its index snapshot, or
+        its slot headers to rebuild the index from (snapshot None), checked against this configuration and
+        the memfd itself; ValueError, OSError or MemoryError saying why otherwise. Every fd passed is closed
+        or owned by the Pool or Headers returned."""
         p = self.cfg.pool
+        meta_fds = list(meta_fds or [])
         try:
-            if len(pool_fds) != 1 or len(index_fds) != 1:
+            if len(pool_fds) != 1 or len(index_fds) > 1:
                 raise ValueError(
                     f"{len(pool_fds)} pool fds and {len(index_fds)} index fds were passed, not 1 each"
                 )
             check_kept_fd(pool_fds[0], p.capacity)
-            snapshot = keep.decode(keep.read_fd(index_fds[0]))
-            keep.check(snapshot, p.capacity, p.slab_size, os.fstat(pool_fds[0]).st_ino)
-            fd = pool_fds.pop()
-            return Pool(p.capacity, prefault=p.prefault, fd=fd), snapshot
+            snapshot = None
+            if index_fds:
+                snapshot = keep.decode(keep.read_fd(index_fds[0]))
+                keep.check(snapshot, p.capacity, p.slab_size, os.fstat(pool_fds[0]).st_ino)
+            elif not meta_fds:
+                raise ValueError("neither an index snapshot nor slot headers were kept with it")
+            pool = Pool(p.capacity, prefault=p.prefault, fd=pool_fds.pop())
+            try:
+                headers, snapshot = slot_headers.adopt(meta_fds, pool, p.slab_size, snapshot)
+            except BaseException:
+                pool.close()
+                raise
+            return pool, snapshot, headers
         finally:
-            for fd in pool_fds + index_fds:
+            for fd in pool_fds + index_fds + meta_fds:
                 os.close(fd)
+
+    def _store_l2(self) -> None:
+        """The pool and its slot headers go to systemd's fd store at start and stay there while the daemon
+        runs: after a crash the next start gets them back and rebuilds the index from the headers."""
+        if not self.notifier.enabled:
+            return
+        room = fd_store_max()
+        if room is not None and room < len(keep.FDNAMES):
+            log.warning(
+                "the unit's FileDescriptorStoreMax= is %d; keeping L2 over a restart takes %d: L2 not kept",
+                room,
+                len(keep.FDNAMES),
+            )
+            return
+        # Stored again after a restart: systemd keeps one copy of an fd it already holds.
+        if self.notifier.store_fd(keep.META_FDNAME, self.headers.fd) and self.notifier.store_fd(
+            keep.POOL_FDNAME, self.pool.fd
+        ):
+            log.info("L2 and its slot headers handed to the service manager's fd store: kept over a crash")
 
     def _keep_l2(self) -> None:
         """Hands the pool memfd and a snapshot of its index to systemd's fd store, for the next start to
@@ -375,6 +432,7 @@ class Daemon:
                 # nor written (warm list, fd store): it does that now.
                 await self.tiers.backend.close()
                 self.pool.close()
+                self.headers.close()
                 self.notifier.close()
                 log.info("stopped: pid %d serves in this instance's place", self.takeover.handed_to)
                 return
@@ -409,6 +467,8 @@ class Daemon:
             await self.tiers.backend.close()
         if self.pool is not None:
             self.pool.close()
+        if self.headers is not None:
+            self.headers.close()
         self.notifier.close()
         log.info("stopped")
 
