@@ -48,6 +48,7 @@ _SLAB = struct.Struct("<Q")  # the slab table: per slab, the slot size of its cl
 RECORD_MAGIC = b"HCKV"
 _RECORD = struct.Struct("<4sHBBB3xQQQQQ128s128s")
 _RECORD_SUM = struct.Struct("<Q")
+_SIGNED = _RECORD.size + _RECORD_SUM.size
 _FLAGS_AT = 6
 RECORD = 512  # bytes a record takes; 324 used, the rest room for later fields
 _ZERO = bytes(RECORD)
@@ -307,17 +308,19 @@ class Headers:
         seq = time.monotonic_ns()
         self._seq = seq = seq if seq > self._seq else self._seq + 1
         ns, key = e.ns.encode("ascii"), e.key.encode("ascii")
-        at = self._at(e.offset, e.cls.slot_bytes)
-        mm = self.mm
-        _RECORD.pack_into(
-            mm,
-            at,
+        slot = e.cls.slot_bytes
+        at = (
+            self._records
+            + (e.offset // self.slab_bytes * self._slots_per_slab + e.offset % self.slab_bytes // slot)
+            * RECORD
+        )
+        body = _RECORD.pack(
             RECORD_MAGIC,
             FORMAT,
             IN_L3 if e.in_l3 else 0,
             len(ns),
             len(key),
-            e.cls.slot_bytes,
+            slot,
             e.offset,
             e.size,
             e.checksum,
@@ -325,9 +328,8 @@ class Headers:
             ns,
             key,
         )
-        _RECORD_SUM.pack_into(
-            mm, at + _RECORD.size, xxhash.xxh3_64_intdigest(self.view[at : at + _RECORD.size])
-        )
+        # One bytes object, one slice assignment (~0.5 us with the hash; pack_into twice costs more).
+        self.mm[at : at + _SIGNED] = body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
 
     def in_l3(self, e: Entry) -> None:
         """A page reached L3: its record says so (a crash then does not back it up again)."""
