@@ -281,9 +281,15 @@ def validate(cfg: Config) -> None:
     _positive(s, "server", "handshake_timeout", "request_timeout")
     if s.max_frame < 4096:
         raise ConfigError("server.max_frame", "must be at least 4KiB")
-    for i, uid in enumerate(s.allowed_uids):
-        if uid < 0:
-            raise ConfigError(f"server.allowed_uids[{i}]", "a uid cannot be negative")
+    if s.max_pending_bytes < 2 * s.max_frame:
+        raise ConfigError(
+            "server.max_pending_bytes",
+            f"must be at least twice server.max_frame ({2 * s.max_frame} bytes), got {s.max_pending_bytes}",
+        )
+    for key in ("allowed_uids", "allowed_gids", "operator_uids", "operator_gids"):
+        for i, n in enumerate(getattr(s, key)):
+            if n < 0:
+                raise ConfigError(f"server.{key}[{i}]", f"a {key[-4:-1]} cannot be negative")
     p = cfg.pool
     _positive(p, "pool", "capacity", "slab_size")
     if p.slab_size % 4096:

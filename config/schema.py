@@ -29,15 +29,28 @@ MAX_CONCURRENCY = 1024
 class ServerConfig:
     socket: Path = "run/hicached.sock"
     socket_mode: Mode = 0o660
-    # Empty: the daemon's own uid and root. Peers are admitted when their uid OR gid is listed.
+    # Engines: peers admitted when their uid OR gid is listed. Empty: no engine besides the operators.
     allowed_uids: list[int] = field(default_factory=list)
     allowed_gids: list[int] = field(default_factory=list)
+    # Operators, besides root and the daemon's own uid (always operators): admitted whatever allowed_uids
+    # says, and the only peers whose controls change the daemon (reload, drain, backend attach/detach, flush).
+    operator_uids: list[int] = field(default_factory=list)
+    operator_gids: list[int] = field(default_factory=list)
     max_connections: int = 1024
     max_frame: Size = 8 * MiB
     max_keys_per_request: int = 65536
     max_inflight_per_connection: int = 64
     max_prefetch_handles_per_connection: int = 4096
+    # A connection that has sent neither a whole hello nor a whole control request by then is closed: a
+    # peer that connects and sends nothing (or half a frame) cannot hold one of max_connections for ever.
     handshake_timeout: Duration = 5.0
+    # Bytes held for unfinished request frames and for answers the peers have not read, over all
+    # connections. Without it the bound is max_connections x max_frame x 2 (16GiB at the defaults). 256MiB is
+    # 32 frames of max_frame in flight at once: engines send requests of KiBs (a max_keys_per_request
+    # request is ~4.5MiB), so only a peer that holds frames open on purpose meets it, and it stays small
+    # next to the pool. Past it the daemon stops reading from the connections that hold bytes, and closes
+    # those that keep them longer than request_timeout. At least twice max_frame.
+    max_pending_bytes: Size = 256 * MiB
     # Upper bound on how long the daemon waits on anything for one request (L3 reads in a load).
     request_timeout: Duration = 30.0
 

@@ -1,7 +1,8 @@
-"""One engine's connection to the daemon, once admitted: frames read from its transport, each request
-dispatched to its handler (inline, or as a task when it has to wait), answers written back, and reading
-paused while too many requests run or the peer does not read its answers. Closing it releases everything
-its session held, whatever the engine did."""
+"""One peer's connection to the daemon, once admitted: frames read from its transport, each request
+dispatched to its handler (inline, or as a task when it has to wait; controls that change the daemon only for
+operators), answers written back, reading paused while too many requests run, the peer does not read its
+answers or the server holds too many bytes for its peers, and closed when no hello nor control request came
+within server.handshake_timeout. Closing it releases everything its session held, whatever the engine did."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from hicached.common import protocol
-from hicached.common.errors import BAD_REQUEST, DRAINING, INTERNAL, HicachedError
+from hicached.common.errors import BAD_REQUEST, DRAINING, INTERNAL, TIMEOUT, UNAUTHORIZED, HicachedError
 from hicached.daemon.sched.tiers import Session
 
 log = logging.getLogger("hicached.server")
@@ -37,18 +38,31 @@ class Connection(asyncio.Protocol):
     """`server` is the listener that admitted the peer (hicached.daemon.server.listener.Server)."""
 
     def __init__(
-        self, server: Any, session: Session, token: str = "", uid: int = -1, initial: bytes = b""
+        self,
+        server: Any,
+        session: Session,
+        token: str = "",
+        uid: int = -1,
+        initial: bytes = b"",
+        operator: bool = False,
+        deadline: float | None = None,
     ) -> None:
         self.server = server
         self.session = session
         self.token = token
         self.uid = uid
+        self.operator = operator  # may use the controls that change the daemon
         self._initial = initial  # bytes read before the socket became a transport
         self.decoder = protocol.FrameDecoder(server.cfg.server.max_frame)
         self.tasks: set[asyncio.Task[None]] = set()
         self.transport: asyncio.Transport | None = None
         self._paused = False  # reading paused: too many requests in flight, or answers not read
         self._write_paused = False  # the peer does not read its answers: the transport's buffer is full
+        self._budget_paused = False  # the server holds server.max_pending_bytes for its peers
+        self._held = 0  # bytes of an unfinished request and of unread answers, as last told to the budget
+        # Closes the connection at `deadline` (loop time) unless a hello or a control request came first.
+        self._deadline = deadline
+        self._handshake: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -58,6 +72,8 @@ class Connection(asyncio.Protocol):
         self.server.connections.add(self)
         if self.token:
             self.server.by_token[self.token] = self
+        if self._deadline is not None:
+            self._handshake = asyncio.get_running_loop().call_at(self._deadline, self._handshake_expired)
         if self._initial:
             data, self._initial = self._initial, b""
             self.data_received(data)
@@ -71,6 +87,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self._handshake_done()
+        self.server.budget.forget(self)
         if self.server.by_token.get(self.token) is self:
             del self.server.by_token[self.token]
         for t in self.tasks:
@@ -93,6 +111,56 @@ class Connection(asyncio.Protocol):
             return
         for msg in messages:
             self._dispatch(msg)
+        self._account()
+
+    # The handshake time-out.
+
+    def _handshake_done(self) -> None:
+        if self._handshake is not None:
+            self._handshake.cancel()
+            self._handshake = None
+
+    def _handshake_expired(self) -> None:
+        self._handshake = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.server.handshake_timeouts += 1
+        log.info(
+            "closing connection from %s: no hello nor control request within server.handshake_timeout",
+            self.session.peer,
+        )
+        self._send(
+            protocol.error_answer(0, TIMEOUT, "no hello nor control request within server.handshake_timeout")
+        )
+        self.transport.close()
+
+    # The bound on pending bytes (hicached.daemon.server.budget).
+
+    def _account(self) -> None:
+        if self.transport is None:
+            return
+        held = self.decoder.pending + self.transport.get_write_buffer_size()
+        if held != self._held:
+            self._held = held
+            self.server.budget.set(self, held)
+
+    def budget_pause(self) -> bool:
+        if self.transport is None or self.transport.is_closing():
+            return False
+        self._budget_paused = True
+        self._flow()
+        return True
+
+    def budget_resume(self) -> None:
+        self._budget_paused = False
+        self._flow()
+
+    def budget_refresh(self) -> None:
+        self._account()
+
+    def budget_close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
     def _dispatch(self, msg: Any) -> None:
         if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
@@ -105,6 +173,21 @@ class Connection(asyncio.Protocol):
         if handler is None:
             self._send(protocol.error_answer(rid, BAD_REQUEST, f"unknown op {op!r}"))
             return
+        if not self.operator and self.server.needs_operator(op, msg):
+            self.server.unauthorized += 1
+            action = msg.get("action")
+            what = f"backend {action}" if op == "backend" and isinstance(action, str) else op
+            self._send(
+                protocol.error_answer(
+                    rid,
+                    UNAUTHORIZED,
+                    f"{what} changes the daemon and needs the operator role (root, the daemon's uid, "
+                    f"server.operator_uids/operator_gids); uid {self.uid} connects as an engine",
+                )
+            )
+            return
+        if op in self.server.control_ops:
+            self._handshake_done()
         if self.server.draining and op not in CONTROL_OPS:
             why = "shutting down" if self.server.stopping else "draining (hicached ctl drain)"
             self._send(protocol.error_answer(rid, DRAINING, f"the daemon is {why}"))
@@ -114,6 +197,8 @@ class Connection(asyncio.Protocol):
         except Exception as e:
             self._send(self._error(rid, op, e))
             return
+        if op == "hello":
+            self._handshake_done()
         if isinstance(result, Awaitable):
             task = asyncio.ensure_future(self._finish(rid, op, result))
             self.tasks.add(task)
@@ -126,7 +211,11 @@ class Connection(asyncio.Protocol):
     def _flow(self) -> None:
         """Reads requests only while fewer than server.max_inflight_per_connection run and the peer reads
         its answers."""
-        stop = self._write_paused or len(self.tasks) >= self.server.cfg.server.max_inflight_per_connection
+        stop = (
+            self._write_paused
+            or self._budget_paused
+            or len(self.tasks) >= self.server.cfg.server.max_inflight_per_connection
+        )
         if stop == self._paused or self.transport is None or self.transport.is_closing():
             return
         self._paused = stop
@@ -167,3 +256,5 @@ class Connection(asyncio.Protocol):
     def _send(self, message: dict) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(protocol.encode(message))
+            if self._held or self.transport.get_write_buffer_size():  # answers the peer has not read yet
+                self._account()

@@ -1,4 +1,5 @@
-"""The Unix-socket server: admits engines by uid/gid, hands them the pool's fd, and answers requests.
+"""The Unix-socket server: admits operators and engines by uid/gid, hands them the pool's fd, and answers
+requests, within a bound on the bytes held for unfinished requests and unread answers (PendingBudget).
 
 Each accepted socket is checked with SO_PEERCRED, sent a welcome frame carrying the pool's memfd
 (SCM_RIGHTS, before the socket is wrapped in a transport, which cannot pass fds), then served by a
@@ -6,6 +7,11 @@ Connection protocol. Requests that need no waiting are answered inline; the othe
 per connection. A frame that cannot be read closes its connection only. The first bytes a peer sends are
 read on the raw socket: if an fd came with them, the connection registers a host memory region (see
 hicached.common.protocol) and is closed after its answer.
+
+Roles: operators (root, the daemon's uid, server.operator_uids/gids) may use every control; engines
+(server.allowed_uids/gids) get `unauthorized` for the controls that change the daemon. The pool fd still goes
+out with the welcome, to operators and engines alike: with one tenant every admitted peer may map the
+whole pool by saying hello anyway, and the engine client maps it from the welcome (README, "Trust model").
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from hicached.common.errors import (
     DRAINING,
     INTERNAL,
     NOT_FOUND,
+    TIMEOUT,
     UNAUTHORIZED,
     HicachedError,
 )
@@ -36,6 +43,7 @@ from hicached.common.protocol import arg, keys_arg
 from hicached.config import Config, resolve_path
 from hicached.daemon.regions.service import RegionService
 from hicached.daemon.sched.tiers import Session, Tiers
+from hicached.daemon.server.budget import PendingBudget
 from hicached.daemon.server.connection import Connection
 
 log = logging.getLogger("hicached.server")
@@ -43,6 +51,11 @@ log = logging.getLogger("hicached.server")
 Handler = Callable[[Session, dict[str, Any]], Any]
 
 MAX_FDS = 4  # fds read with a connection's first bytes; region_attach takes exactly one
+
+OPERATOR = "operator"
+ENGINE = "engine"
+# Controls an engine may use: they change nothing (`backend` only with action "show").
+READ_ONLY_CONTROLS = frozenset({"status", "stats"})
 
 
 class _Unanswered(dict):
@@ -77,6 +90,10 @@ class Server:
         self.handlers: dict[str, Handler] = self._engine_handlers()
         self.handlers.update(self.regions.handlers())
         self.handlers.update(control or {})
+        self.control_ops = frozenset(control or {}) | READ_ONLY_CONTROLS
+        self.budget = PendingBudget(lambda: self.cfg.server)
+        self.unauthorized = 0  # controls refused to engines
+        self.handshake_timeouts = 0  # connections closed without a hello or a control request in time
 
     # Lifecycle.
 
@@ -90,9 +107,11 @@ class Server:
             self.path = sock.getsockname()
         self._lsock.setblocking(False)
         self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
+        self.budget.start()
         log.info("listening on %s", self.path)
 
     def stop_accepting(self) -> None:
+        self.budget.stop()
         if self._accept_task is not None:
             self._accept_task.cancel()
         if self._lsock is not None:
@@ -125,6 +144,7 @@ class Server:
         `timeout`) while reading no new one, close every connection, and return the listening socket, no
         longer this server's: never closed nor unlinked by it."""
         self.stopping = True
+        self.budget.stop()
         sock, self._lsock = self._lsock, None
         if sock is None:
             raise RuntimeError("the server is not listening: nothing to hand over")
@@ -210,25 +230,40 @@ class Server:
             self._admitting.add(task)
             task.add_done_callback(self._admitting.discard)
 
-    def _allowed(self, uid: int, gid: int) -> bool:
-        uids, gids = self.cfg.server.allowed_uids, self.cfg.server.allowed_gids
-        if not uids and not gids:
-            return uid in (os.getuid(), 0)
-        return uid in uids or gid in gids
+    def role(self, uid: int, gid: int) -> str | None:
+        """OPERATOR, ENGINE, or None for a peer this daemon does not admit. Root and the daemon's own uid
+        are operators whatever the configuration says: they can ptrace the daemon anyway."""
+        s = self.cfg.server
+        if uid in (0, os.getuid()) or uid in s.operator_uids or gid in s.operator_gids:
+            return OPERATOR
+        if uid in s.allowed_uids or gid in s.allowed_gids:
+            return ENGINE
+        return None
+
+    def needs_operator(self, op: str, req: dict[str, Any]) -> bool:
+        """Whether `op` changes the daemon: every control but the read-only ones. A control added to the
+        daemon's handlers later is operator-only unless it is named here."""
+        if op not in self.control_ops or op in READ_ONLY_CONTROLS:
+            return False
+        return not (op == "backend" and req.get("action", "show") == "show")
 
     async def _admit(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.server.handshake_timeout
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid, uid, gid = struct.unpack("3i", creds)
+            role = self.role(uid, gid)
             peer = f"pid={pid} uid={uid} gid={gid}"
-            if not self._allowed(uid, gid):
+            if role is None:
                 self.refused += 1
                 if len(self._refused_by_uid) > 4096:
                     self._refused_by_uid.clear()
                 n = self._refused_by_uid[uid] = self._refused_by_uid.get(uid, 0) + 1
                 if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... refusal: a retry loop does not flood logs
                     log.warning(
-                        "refused connection from %s: not in server.allowed_uids/allowed_gids (%d times)",
+                        "refused connection from %s: neither an operator nor in server.allowed_uids/"
+                        "allowed_gids (%d times)",
                         peer,
                         n,
                     )
@@ -259,18 +294,30 @@ class Server:
             )
             sock.setblocking(False)
             socket.send_fds(sock, [welcome], [self.tiers.pool.fd])
-            first, fds = await self._first_bytes(sock)
+            first, fds = await self._first_bytes(sock, deadline)
             if fds:
-                await self._attach_connection(sock, first, fds, uid)
+                await self._attach_connection(sock, first, fds, uid, deadline)
+                return
+            if not first:
+                self.handshake_timeouts += 1
+                self._refuse(sock, TIMEOUT, "nothing sent within server.handshake_timeout: closed")
                 return
             if len(self.connections) + self._engines_admitting >= limit:
                 self._refuse_first(sock, first, BUSY, "too many connections (server.max_connections)")
                 return
-            loop = asyncio.get_running_loop()
             self._engines_admitting += 1
             try:
                 await loop.connect_accepted_socket(
-                    lambda: Connection(self, Session(peer=peer), token, uid, first), sock=sock
+                    lambda: Connection(
+                        self,
+                        Session(peer=peer),
+                        token,
+                        uid,
+                        first,
+                        operator=role == OPERATOR,
+                        deadline=deadline,
+                    ),
+                    sock=sock,
                 )
             finally:
                 self._engines_admitting -= 1
@@ -281,15 +328,15 @@ class Server:
             log.warning("could not admit a connection: %s", e)
             sock.close()
 
-    async def _first_bytes(self, sock: socket.socket) -> tuple[bytes, list[int]]:
+    async def _first_bytes(self, sock: socket.socket, deadline: float) -> tuple[bytes, list[int]]:
         """The first bytes the peer sends and any fds that came with them, read on the raw socket (a
         transport cannot receive fds). An engine sends hello at once, so this costs it no round trip; one
-        that sends nothing within server.handshake_timeout is served as usual."""
+        that sends nothing by `deadline` (accept + server.handshake_timeout) gets b"" and is closed."""
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
         try:
-            await asyncio.wait_for(ready, self.cfg.server.handshake_timeout)
+            await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
         except TimeoutError:
             return b"", []
         finally:
@@ -304,21 +351,29 @@ class Server:
             raise OSError(f"peer sent more than {MAX_FDS} fds")
         return data, fds
 
-    async def _attach_connection(self, sock: socket.socket, data: bytes, fds: list[int], uid: int) -> None:
+    async def _attach_connection(
+        self, sock: socket.socket, data: bytes, fds: list[int], uid: int, deadline: float
+    ) -> None:
         """A connection that registers a host region: one region_attach frame that came with the region's
-        memfd, one answer, then it closes. The region belongs to the connection named by `token`."""
+        memfd, one answer, then it closes. The region belongs to the connection named by `token`. Its
+        unfinished frame counts against server.max_pending_bytes: past it the connection is answered busy."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.server.handshake_timeout
         rid = 0
         answer: dict[str, Any] | None = None
+        held = self.budget.side()
         try:
             decoder = protocol.FrameDecoder(self.cfg.server.max_frame)
             msgs = decoder.feed(data)
             while not msgs:
+                if not held.hold(decoder.pending):
+                    raise HicachedError(
+                        BUSY, "the daemon holds too many unfinished requests (max_pending_bytes)"
+                    )
                 more = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), max(0.0, deadline - loop.time()))
                 if not more:
                     break  # the peer went away before its frame was whole
                 msgs = decoder.feed(more)
+            held.hold(0)
             if msgs:
                 msg = msgs[0]
                 if isinstance(msg, dict) and isinstance(msg.get("id"), int):
@@ -339,6 +394,7 @@ class Server:
                 rid, INTERNAL, f"internal error in region_attach: {type(e).__name__}: {e}"
             )
         finally:
+            held.hold(0)
             for fd in fds:
                 os.close(fd)
             if answer is None:
@@ -541,6 +597,12 @@ class Server:
 
     def stats(self, pool: dict | None = None) -> dict:
         out = self.tiers.stats(pool)
-        out["server"] = {"connections": len(self.connections), "refused": self.refused}
+        out["server"] = {
+            "connections": len(self.connections),
+            "refused": self.refused,
+            "unauthorized": self.unauthorized,
+            "handshake_timeouts": self.handshake_timeouts,
+            **self.budget.stats(),
+        }
         out["regions"] = self.regions.stats()
         return out
