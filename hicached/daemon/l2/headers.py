@@ -366,7 +366,11 @@ class Headers:
     def scan(self) -> Scanned:
         """Every committed page the records describe, as a snapshot for keep.restore (which verifies each
         payload against its checksum before anything is served). Records that do not check are cleared and
-        counted. Reads with pread (a hole of the memfd reads as zeros without being allocated)."""
+        counted. Reads with pread (a hole of the memfd reads as zeros without being allocated).
+
+        Slots that were being written when the daemon died have no record: they are free again, with no
+        quarantine as a snapshot's held slots get. An engine's copy into one ends within its store call,
+        long before a new daemon, which verifies every page first, hands the slot out again."""
         start = time.perf_counter()
         slabs = [0] * self.nslabs
         table = os.pread(self.fd, self.nslabs * _SLAB.size, FRONT_BYTES)
