@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import socket
+import time
 
 import pytest
 
@@ -14,7 +15,7 @@ from hicached import config
 from hicached.common import protocol
 from hicached.common.errors import HicachedError
 from hicached.daemon.service.lifecycle import Daemon
-from hicached.engine.client import AsyncClient
+from hicached.engine.client import AsyncClient, control
 
 
 def write_config(tmp_path, **server) -> str:
@@ -159,6 +160,52 @@ async def test_at_max_connections_engines_are_refused_busy_but_a_region_can_stil
         # Once one has gone, another engine gets in.
         async with AsyncClient(d.server.path, "c.ns", 4096) as c:
             assert await c.exists(["x"]) == 0
+    finally:
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+
+
+async def test_a_peer_that_sends_nothing_is_answered_timeout_and_closed(tmp_path):
+    path = write_config(tmp_path, handshake_timeout="300ms")
+    d = Daemon(config.load(path), config_path=path)
+    await d.startup()
+    loop = asyncio.get_running_loop()
+    silent = await raw_connect(d.server.path)
+    half = await raw_connect(d.server.path)
+    try:
+        hello = protocol.encode({"id": 4, "op": "hello", "namespace": "h.ns", "page_bytes": 4096})
+        await loop.sock_sendall(half, hello[:5])
+        for s in (silent, half):
+            got = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(s, 1 << 16), 5.0):
+                got += chunk
+            (answer,) = protocol.FrameDecoder(1 << 16).feed(got)
+            assert answer["error"]["code"] == "timeout", answer
+        assert d.server.handshake_timeouts == 2 and not d.server.connections
+    finally:
+        silent.close()
+        half.close()
+        d.handle_signal(signal.SIGTERM)
+        await d.shutdown()
+
+
+async def test_an_idle_engine_and_a_long_control_request_are_never_cut_off(tmp_path):
+    path = write_config(tmp_path, handshake_timeout="200ms")
+    d = Daemon(config.load(path), config_path=path)
+    await d.startup()
+
+    async def slow_flush(session, req) -> dict:
+        await asyncio.sleep(1.0)  # a flush that waits on L3 for five handshake time-outs
+        return {"flushed": True}
+
+    d.server.handlers["flush"] = slow_flush
+    try:
+        async with AsyncClient(d.server.path, "idle.ns", 4096) as c:
+            t0 = time.monotonic()
+            answer = await asyncio.to_thread(control, d.server.path, "flush", 10.0)
+            assert answer["flushed"] is True and time.monotonic() - t0 >= 1.0
+            assert await c.exists([f"{1:064x}"]) == 0  # said hello, then idled past the time-out
+        assert d.server.handshake_timeouts == 0
     finally:
         d.handle_signal(signal.SIGTERM)
         await d.shutdown()
