@@ -224,7 +224,12 @@ def one_run(work: Path, blocks: int, run: int) -> dict[str, dict[str, float]]:
     root.mkdir()
     fs_root = str(work / f"fs{run}")
     out: dict[str, dict[str, float]] = {impl: {} for impl in order}
-    with Daemon(root, config(2 * blocks * BLOCK + (256 << 20))) as d:
+    try:
+        daemon = Daemon(root, config(2 * blocks * BLOCK + (256 << 20))).__enter__()
+    except RuntimeError:
+        print((root / "daemon.log").read_text()[-3000:], file=sys.stderr)
+        raise
+    with daemon as d:
         for impl in order:
             out[impl] |= store(impl, d.sock, fs_root, f"{impl}{run}", blocks)
             d.flush()  # no step pays for another's backups
