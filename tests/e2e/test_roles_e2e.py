@@ -164,9 +164,12 @@ def test_operators_steer_the_daemon_when_allowed_uids_names_only_the_engine(role
 
 
 def test_a_peer_in_no_list_is_refused(roles_daemon):
-    """A uid that is neither an operator nor an engine is refused at connect."""
-    answers = run_as(54330, 54330, ask, roles_daemon.socket, [("status", {})])
+    """A uid that is neither an operator nor an engine is refused at connect, and the daemon serves on."""
+    d = roles_daemon
+    answers = run_as(54330, 54330, ask, d.socket, [("status", {})])
     assert answers[0].get("code") == UNAUTHORIZED, answers
+    assert "refused connection from" in d.log() and "uid=54330" in d.log()
+    assert d.alive and d.ctl("stats")["server"]["refused"] == 1
 
 
 def _serve_as(uid: int, gid: int, config_path: str, log_path: str) -> int:
