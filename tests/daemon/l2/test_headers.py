@@ -257,3 +257,36 @@ async def test_snapshot_older_than_the_headers_is_not_used(tmp_path):
     finally:
         h.close()
         pool.close()
+
+
+async def test_restore_from_a_snapshot_into_fresh_headers_writes_every_record(tmp_path):
+    """A snapshot with no headers beside it (a takeover, a release before them): the pages it brings back
+    get their records in the new headers, so a crash after that keeps them too."""
+    t, h = await _tiers(tmp_path)
+    s = session(t)
+    keys = [f"k{i}" for i in range(6)]
+    assert write(t, s, keys, fill=9) == [True] * 6
+    t.close_session(s)
+    await t.stop()
+    snap = keep.take(t, t.pool, None)
+    pool_fd = os.dup(t.pool.fd)
+    await t.backend.close()
+    h.close()
+    t.pool.close()
+    cfg = rig.cfg_for(tmp_path, "8MiB")
+    pool = Pool(cfg.pool.capacity, prefault=False, fd=pool_fd)
+    assert hd.adopt([], pool, cfg.pool.slab_size, snap) == (None, snap)
+    t = Tiers(cfg, pool, None)
+    h = Headers.create(pool, cfg.pool.slab_size)
+    h.attach(t)
+    t.start()
+    try:
+        restored = await keep.restore(t, pool, snap)
+        h.restored(snap, restored.entries)
+        scanned = h.scan()
+        assert scanned.dropped == 0
+        assert sorted(p.key for p in scanned.snapshot.pages) == keys
+        assert scanned.snapshot.slabs == snap.slabs
+    finally:
+        h.close()
+        await close_tiers(t)
