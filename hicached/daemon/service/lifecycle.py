@@ -119,21 +119,26 @@ class Daemon:
                 raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
         self.tiers = Tiers(cfg, self.pool, None)
-        self.headers = headers or slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
-        self.headers.mark_adopted()
-        self.headers.attach(self.tiers)
-        self._store_l2()
+        if headers is None and self.notifier.enabled:
+            # Only under a service manager: without one to keep them over a crash nothing reads them.
+            headers = slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
+        self.headers = headers
+        if headers is not None:
+            headers.mark_adopted()
+            headers.attach(self.tiers)
+            self._store_l2()
         self.tiers.start()
         scanned = None
-        if kept is not None and snapshot is None:
+        if headers is not None and snapshot is None and kept is not None:
             # No index snapshot (a crash): the index is rebuilt from the slot headers.
-            scanned = await asyncio.get_running_loop().run_in_executor(None, self.headers.scan)
+            scanned = await asyncio.get_running_loop().run_in_executor(None, headers.scan)
             snapshot = scanned.snapshot
         if snapshot is not None:
             # Before the backend attaches (which queues the kept pages not in L3 yet) and before the socket
             # listens (a page is served only once verified).
             r = self.restored = await keep.restore(self.tiers, self.pool, snapshot)
-            self.headers.restored(snapshot, r.entries)
+            if headers is not None:
+                headers.restored(snapshot, r.entries)
             if scanned is not None:
                 r.dropped += scanned.dropped
                 self.tiers.counters["keep.dropped"] += scanned.dropped
@@ -432,7 +437,8 @@ class Daemon:
                 # nor written (warm list, fd store): it does that now.
                 await self.tiers.backend.close()
                 self.pool.close()
-                self.headers.close()
+                if self.headers is not None:
+                    self.headers.close()
                 self.notifier.close()
                 log.info("stopped: pid %d serves in this instance's place", self.takeover.handed_to)
                 return
