@@ -117,7 +117,9 @@ def run(
         poller.join()
     calls = []
     for _, out in procs:
-        calls += [json.loads(line) for line in out.read_text().splitlines() if line]
+        calls += [
+            c for line in out.read_text().splitlines() if line and (c := json.loads(line))["op"] != "end"
+        ]
     detached = [t for t, s in states if t >= fault_at and s != "attached"]
     back = [t for t, s in states if t >= cleared_at and s == "attached"]
     return FaultRun(
