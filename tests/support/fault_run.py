@@ -117,9 +117,8 @@ def run(
         poller.join()
     calls = []
     for _, out in procs:
-        calls += [
-            c for line in out.read_text().splitlines() if line and (c := json.loads(line))["op"] != "end"
-        ]
+        records = [json.loads(line) for line in out.read_text().splitlines() if line]
+        calls += [c for c in records if c["op"] != "end"]  # the last says how often the client reconnected
     detached = [t for t, s in states if t >= fault_at and s != "attached"]
     back = [t for t, s in states if t >= cleared_at and s == "attached"]
     return FaultRun(
