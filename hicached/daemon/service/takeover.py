@@ -24,7 +24,7 @@ import stat
 import struct
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -32,7 +32,24 @@ from hicached.config.units import format_size
 from hicached.daemon.l2 import keep
 
 if TYPE_CHECKING:
-    from hicached.daemon.service.lifecycle import Daemon
+    from hicached.config import Config
+    from hicached.daemon.l2.pool import Pool
+    from hicached.daemon.sched.tiers import Tiers
+
+
+class Daemon(Protocol):
+    """What the endpoint uses of the running daemon (hicached.daemon.service.lifecycle.Daemon has it): a
+    Protocol, so that this module does not import the lifecycle that imports it."""
+
+    cfg: Config
+    pool: Pool | None
+    tiers: Tiers | None
+    should_exit: asyncio.Event
+
+    def l2_snapshot(self) -> tuple[keep.Snapshot, int]: ...
+
+    async def quiesce(self, drain_timeout: float) -> socket.socket: ...
+
 
 log = logging.getLogger("hicached.takeover")
 
