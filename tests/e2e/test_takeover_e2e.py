@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import pytest
 from churn import page_of
 from daemon_proc import DaemonProcess
+from other_uid import other_user, run_as, shared_workdir
 
 from hicached.common.errors import HicachedError
 from hicached.daemon.service import takeover
@@ -24,7 +23,6 @@ from hicached.engine.client import Client, control
 
 PAGE = 32 * 1024
 SUPPORT = os.path.join(os.path.dirname(__file__), "..", "support")
-OTHER_USER = "hicached-test-other"
 # Named in every test's configuration, not taken from daemon_proc.BASE_CONFIG: a test that changes its own
 # daemon's config in place can change the shared default for the tests after it.
 POOL = {"capacity": "128MiB", "slab_size": "4MiB"}
@@ -216,49 +214,23 @@ def test_takeover_refused_for_another_capacity(daemons, tmp_path):
         assert c.get(keys) == [page_of(k, PAGE) for k in keys]
 
 
-def _other_user() -> pwd.struct_passwd:
-    if os.getuid() != 0:
-        pytest.skip("playing another uid needs root (CI runs as root): setuid to a system user")
+def _ask_for_a_takeover(socket_path: str) -> tuple[int, str]:
+    """In the child of another uid: its pid, and what the daemon answered its takeover request."""
     try:
-        return pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        pass
-    if shutil.which("useradd") is None:
-        pytest.skip("useradd is not installed: no other uid to play")
-    subprocess.run(["useradd", "--system", "--no-create-home", OTHER_USER], check=True, capture_output=True)
-    return pwd.getpwnam(OTHER_USER)
+        asyncio.run(takeover.request(socket_path, CAP, SLAB))
+    except takeover.TakeoverError as e:
+        return os.getpid(), str(e)
+    return os.getpid(), "taken over"
 
 
 def test_another_uid_cannot_take_over(daemons):
     """A process of another uid reaches the endpoint (the socket's mode lets it in) and is refused by its
     SO_PEERCRED; the daemon serves on."""
-    user = _other_user()
-    workdir = tempfile.mkdtemp(prefix="hicached-takeover-")  # under /tmp: a directory the other uid can reach
-    os.chmod(workdir, 0o755)
+    user = other_user()
+    workdir = shared_workdir("hicached-takeover-")
     try:
         old = daemons({"server": {"socket_mode": "0666"}, "pool": POOL}, workdir=workdir)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: no pytest from here, only what was imported before the fork
-            code = 3
-            try:
-                os.close(read)
-                os.setgroups([])
-                os.setgid(user.pw_gid)
-                os.setuid(user.pw_uid)
-                try:
-                    asyncio.run(takeover.request(old.socket, CAP, SLAB))
-                    msg = "taken over"
-                except takeover.TakeoverError as e:
-                    msg, code = str(e), 0
-                os.write(write, msg.encode())
-            finally:
-                os._exit(code)
-        os.close(write)
-        with os.fdopen(read, "rb") as f:
-            msg = f.read().decode()
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, msg
+        pid, msg = run_as(user.pw_uid, user.pw_gid, _ask_for_a_takeover, old.socket)
         assert f"uid {user.pw_uid} may not take over this daemon" in msg, msg
         assert old.alive and control(old.socket, "status")["pid"] == old.proc.pid
         assert f"refused a takeover from pid {pid}: uid {user.pw_uid} may not take over" in old.log()
