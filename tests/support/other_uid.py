@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-ENGINE_USER = "hicached-test-other"  # also test_takeover_e2e's other uid
+ENGINE_USER = "hicached-test-other"
 OPERATOR_USER = "hicached-test-operator"
 
 
