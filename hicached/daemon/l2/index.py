@@ -12,7 +12,7 @@ import gc
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from hicached.daemon.l2.slabs import SizeClass, SlabAllocator, slot_size
 
@@ -95,6 +95,19 @@ class Entry:
 
     def __repr__(self) -> str:
         return f"<Entry {self.ns}/{self.key[:12]} {self.state} off={self.offset} leases={self.leases}>"
+
+
+class PageRecords(Protocol):
+    """What is told of each page's transitions so that L2 can be rebuilt after a crash (the slot headers,
+    hicached.daemon.l2.headers.Headers): the scheduler calls these, and never needs to know more of them."""
+
+    def commit(self, e: Entry) -> None: ...
+
+    def in_l3(self, e: Entry) -> None: ...
+
+    def clear(self, entries: list[Entry]) -> None: ...
+
+    def l3(self, location: str | None) -> None: ...
 
 
 _NO_ENTRIES: dict[str, Entry] = {}

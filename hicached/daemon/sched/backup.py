@@ -15,18 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from itertools import groupby
-from typing import TYPE_CHECKING
 
 import xxhash
 
 from hicached.common.retry import Backoff
 from hicached.connectors.base import BackendError, Hold
-from hicached.daemon.l2.index import READY, Entry, PageIndex
+from hicached.daemon.l2.index import READY, Entry, PageIndex, PageRecords
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
-
-if TYPE_CHECKING:
-    from hicached.daemon.l2.headers import Headers
 
 log = logging.getLogger("hicached.backup")
 
@@ -78,7 +74,7 @@ class Backup:
         # Pages dropped from the queue by the backlog bound (drop_oldest): not in L3, no longer held for it;
         # queued again as abandoned ones are. Bounded by L2: Tiers drops a page from here when it leaves L2.
         self.dropped: set[Entry] = set()
-        self.headers: Headers | None = None  # the slot headers that a page reached L3 is written into
+        self.headers: PageRecords | None = None  # the slot headers that a page reached L3 is written into
 
     @property
     def pending(self) -> int:

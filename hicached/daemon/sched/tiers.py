@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xxhash
 
@@ -30,15 +30,12 @@ from hicached.common.protocol import (
 from hicached.common.retry import Backoff
 from hicached.config import Config
 from hicached.connectors.base import BackendError, Connector
-from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex
+from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex, PageRecords
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.l2.slabs import SlabAllocator, slot_size
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.backup import Backup
 from hicached.daemon.sched.prefetch import Prefetcher
-
-if TYPE_CHECKING:
-    from hicached.daemon.l2.headers import Headers
 
 log = logging.getLogger("hicached.tiers")
 
@@ -143,7 +140,7 @@ class Tiers:
         self.index.on_remove = self._removed
         # The slot headers a crash rebuilds L2 from (headers.Headers.attach sets them): written as pages
         # become ready, reach L3 and leave.
-        self.headers: Headers | None = None
+        self.headers: PageRecords | None = None
         self.index.on_short = self._backlog_full
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
