@@ -247,13 +247,7 @@ class Daemon:
         runs: after a crash the next start gets them back and rebuilds the index from the headers."""
         if not self.notifier.enabled:
             return
-        room = fd_store_max()
-        if room is not None and room < len(keep.FDNAMES):
-            log.warning(
-                "the unit's FileDescriptorStoreMax= is %d; keeping L2 over a restart takes %d: L2 not kept",
-                room,
-                len(keep.FDNAMES),
-            )
+        if not _fd_store_has_room():
             return
         # Stored again after a restart: systemd keeps one copy of an fd it already holds.
         if self.notifier.store_fd(keep.META_FDNAME, self.headers.fd) and self.notifier.store_fd(
@@ -266,13 +260,7 @@ class Daemon:
         serve the same pages (a planned restart keeps L2). Only under systemd, after a full start-up."""
         if not self.notifier.enabled or not self._started or self.pool is None or self.tiers is None:
             return
-        room = fd_store_max()
-        if room is not None and room < len(keep.FDNAMES):
-            log.warning(
-                "the unit's FileDescriptorStoreMax= is %d; keeping L2 over a restart takes %d: L2 not kept",
-                room,
-                len(keep.FDNAMES),
-            )
+        if not _fd_store_has_room():
             return
         try:
             snapshot, fd = self.l2_snapshot()
@@ -720,6 +708,19 @@ class Daemon:
             f"pool {pct:.0f}% of {idx.alloc.capacity >> 20} MiB, {len(idx.entries)} pages; "
             f"pid {os.getpid()}; last reload: {self.last_reload}"
         )
+
+
+def _fd_store_has_room() -> bool:
+    """Whether the unit's fd store takes what keeping L2 hands it; a warning says so when it does not."""
+    room = fd_store_max()
+    if room is not None and room < len(keep.FDNAMES):
+        log.warning(
+            "the unit's FileDescriptorStoreMax= is %d; keeping L2 over a restart takes %d: L2 not kept",
+            room,
+            len(keep.FDNAMES),
+        )
+        return False
+    return True
 
 
 async def _close_quietly(connector: Connector) -> None:
