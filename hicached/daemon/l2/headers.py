@@ -281,6 +281,7 @@ class Headers:
         the allocator already gave out."""
         tiers.headers = self
         tiers.backup.headers = self
+        tiers.prefetcher.headers = self
         alloc = tiers.index.alloc
         alloc.on_assign = self.slab
         for cls in alloc.classes.values():
@@ -456,11 +457,12 @@ class Headers:
         return n
 
     def restored(self, snap: Snapshot, entries: list[Entry]) -> None:
-        """After keep.restore: the records of the pages that did not verify go; in a fresh meta memfd (the
-        snapshot came with none, or a takeover handed none), every page brought back gets its record."""
+        """After keep.restore: every page brought back gets its record (written again where the kept meta
+        memfd has it: a page may have come into L2 without one, read from L3 by an older release), and the
+        records of the pages that did not verify go."""
+        for e in entries:
+            self.commit(e)
         if self.fresh:
-            for e in entries:
-                self.commit(e)
             return
         kept = {e.offset for e in entries}
         for p in snap.pages:

@@ -13,9 +13,11 @@ import itertools
 import logging
 from typing import Any
 
+import xxhash
+
 from hicached.config.schema import batch_size
 from hicached.connectors.base import BackendError, Hold
-from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex
+from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex, PageRecords
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
 
@@ -52,6 +54,9 @@ class Prefetcher:
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = itertools.count()
         self.pending = 0  # pages queued or being read
+        # The slot headers a crash rebuilds L2 from (headers.Headers.attach sets them): a page read from L3
+        # gets its record as it becomes ready, as a stored one does, so a crash keeps it in L2 too.
+        self.headers: PageRecords | None = None
         # Futures of batches that another fetch merged into (it waits on their pages): such a batch is
         # read even after its own request found a hole before it.
         self._merged: set[asyncio.Future[None]] = set()
@@ -246,10 +251,17 @@ class Prefetcher:
         done = batch[0][1].fill
         pages = 0
         update, remove = self.index.update, self.index.remove  # runs for every page prefetched
+        records, pool = self.headers, self.pool.view
         for (_, entry), good in zip(batch, ok, strict=True):
             if good:
                 entry.state = READY
                 entry.in_l3 = in_l3
+                if records is not None:
+                    if entry.checksum is None:  # what a record carries; the backup then need not hash it
+                        entry.checksum = xxhash.xxh3_64_intdigest(
+                            pool[entry.offset : entry.offset + entry.size]
+                        )
+                    records.commit(entry)
                 pages += 1
             else:
                 remove(entry)

@@ -8,6 +8,7 @@ import os
 import pytest
 import tiers_rig as rig
 import xxhash
+from hicached.connectors.file import FileConnector
 from tiers_rig import PAGE, close_tiers, session, write
 
 from hicached.daemon.l2 import headers as hd
@@ -287,6 +288,37 @@ async def test_restore_from_a_snapshot_into_fresh_headers_writes_every_record(tm
         assert scanned.dropped == 0
         assert sorted(p.key for p in scanned.snapshot.pages) == keys
         assert scanned.snapshot.slabs == snap.slabs
+    finally:
+        h.close()
+        await close_tiers(t)
+
+
+async def test_a_page_read_from_l3_gets_its_record_and_outlives_a_crash(tmp_path):
+    # A page that came back from L3 (a prefetch, a load, the warm list) is ready in L2 as a stored one is: a
+    # crash keeps it too. Regression: such pages had no record, and a crash after a warm-list refill (or a
+    # planned restart that kept them) lost every one of them from L2.
+    cfg = rig.cfg_for(tmp_path, "8MiB")
+    conn = FileConnector(cfg)
+    await conn.start()
+    pool = Pool(cfg.pool.capacity, prefault=False)
+    t = Tiers(cfg, pool, conn)
+    h = Headers.create(pool, cfg.pool.slab_size)
+    h.attach(t)
+    t.start()
+    s = session(t)
+    assert write(t, s, ["from-l3"], fill=0x5A) == [True]
+    assert await t.backup.drain(10)
+    t.index.remove(t.index.get("ns1", "from-l3"))  # evicted: in L3 only
+    lease, offsets = await t.acquire(s, ["from-l3"], fetch=True)  # read back from L3
+    assert len(offsets) == 1
+    t.release(s, lease)
+    t.close_session(s)
+    fds = await _crash(t, h)
+    t, h, scanned, restored = await _restart(tmp_path, fds)
+    try:
+        assert scanned.records == 1 and restored.pages == 1
+        assert _bytes(t, "ns1", "from-l3") == b"\x5a" * PAGE
+        assert t.index.get("ns1", "from-l3").in_l3
     finally:
         h.close()
         await close_tiers(t)
