@@ -89,7 +89,13 @@ def _connect(path: str, timeout: float) -> tuple[socket.socket, dict[str, Any], 
             raise HicachedError(
                 CONNECTION, f"not allowed to connect to {path} (socket permissions)"
             ) from None
-        welcome, fd = _read_welcome(sock, time.monotonic() + timeout)
+        try:
+            welcome, fd = _read_welcome(sock, time.monotonic() + timeout)
+        except OSError as e:  # reset or closed under us: a daemon stopping (a restart), not yet up again
+            raise HicachedError(CONNECTION, f"the daemon on {path} dropped the handshake ({e})") from None
+    except OSError as e:  # anything else the connect itself met (EAGAIN on a full backlog, a reset)
+        sock.close()
+        raise HicachedError(CONNECTION, f"could not connect to {path} ({e})") from None
     except BaseException:
         sock.close()
         raise

@@ -699,3 +699,24 @@ async def test_present_answers_each_key_holes_and_all_from_l2_then_l3(tmp_path):
     finally:
         d.handle_signal(signal.SIGTERM)
         await d.shutdown()
+
+
+def test_a_handshake_reset_by_the_daemon_is_a_connection_error(tmp_path):
+    # A daemon killed with connections still in its listen backlog resets them: the client's wait for the
+    # welcome ends in ECONNRESET. Regression: that escaped the client as a bare ConnectionResetError, which
+    # ended a reconnect (and the engine's process) instead of being waited out as a daemon not up yet.
+    import socket
+
+    path = str(tmp_path / "dying.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)  # never accepts: the client's connection waits in the backlog
+    closer = threading.Timer(0.3, server.close)
+    closer.start()
+    try:
+        with pytest.raises(HicachedError) as e:
+            Client(path, "reset.ns", 4096, timeout=5, reconnect=0)
+        assert e.value.code == "connection"
+    finally:
+        closer.join(10)
+        server.close()
