@@ -53,6 +53,9 @@ def test_l3_never_holds_another_pages_bytes_under_a_key(tmp_path) -> None:
             "operation_timeout": "2ms",
             "retry": {"attempts": 1},
             "breaker": {"failures": 1_000_000},
+            # Pages wait for L3 until their backup is written (or given up), as this race needs: the
+            # default, drop_oldest, would let the writers' pages go before most backups began.
+            "when_backlog_full": "refuse",
         },
         "shutdown": {"flush_timeout": "2s"},
     }

@@ -184,8 +184,13 @@ class Tiers:
     def _backup_defer(self) -> float:
         """While engines store or load, a write-through backup waits for them to pause, at most
         storage.backup_defer from when its page was stored (then it runs, backup_concurrency_busy calls at
-        a time): its I/O would take memory bandwidth and CPU from the engines' copies."""
-        return self.cfg.storage.backup_defer if self._through_while_busy() else 0.0
+        a time): its I/O would take memory bandwidth and CPU from the engines' copies. Not once the pages
+        waiting for L3 hold half of what they may (storage.max_unbacked_fraction): deferred longer, they would
+        be the oldest ones dropped when the pool needs slots, and engines storing faster than the pool turns
+        over in backup_defer would starve L3 of every page."""
+        if not self._through_while_busy() or 2 * self.index.dirty_bytes > self._backlog_limit():
+            return 0.0
+        return self.cfg.storage.backup_defer
 
     def _through_while_busy(self) -> bool:
         """Write-through, with an engine that stored or loaded within the busy window."""
