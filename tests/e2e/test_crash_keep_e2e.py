@@ -16,12 +16,11 @@ from churn import page_of
 from daemon_proc import DaemonProcess
 from systemd_notify import NotifySocket
 
-from hicached.common.errors import HicachedError
 from hicached.daemon.l2 import headers as hd
 from hicached.daemon.l2 import keep
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.l2.slabs import slot_size
-from hicached.engine.client import Client, control
+from hicached.engine.client import Client
 
 PAGE = 32 * 1024
 SLAB = 4 << 20  # daemon_proc's pool.slab_size
@@ -46,17 +45,7 @@ class SystemdDaemon(DaemonProcess):
                 cwd=self.workdir,
                 env={**os.environ, "NOTIFY_SOCKET": self.store.path, "FDSTORE": "4"},
             )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                control(self.socket, "status", timeout=2.0)
-                return self
-            except HicachedError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not come up in {timeout}s:\n{self.log()}") from None
-                time.sleep(0.05)
+        return self.wait_up(timeout)
 
     def crash(self) -> None:
         """SIGKILL, then what it sent before dying taken in: its pool and slot headers stay stored."""

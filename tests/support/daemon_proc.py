@@ -108,6 +108,10 @@ class DaemonProcess:
             preexec_fn=self.preexec,
         )
         log.close()
+        return self.wait_up(timeout)
+
+    def wait_up(self, timeout: float) -> DaemonProcess:
+        """Returns once the started daemon answers `status` (or refuses us, as configured)."""
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
