@@ -86,6 +86,7 @@ class Session:
     """One engine connection's view: everything it holds is released by Tiers.close_session."""
 
     peer: str = ""
+    tenant: str = "default"  # the tenant the peer belongs to (hicached.daemon.server.tenants)
     ns: str = ""
     page_bytes: int = 0
     leases: dict[int, list[Entry]] = field(default_factory=dict)
@@ -175,6 +176,10 @@ class Tiers:
     @property
     def connector(self) -> Connector | None:
         return self.backend.current
+
+    def arena(self, tenant: str) -> tuple[int, int]:
+        """(memfd, bytes) of the pool memory that `tenant`'s engines are handed and map."""
+        return self.pool.fd, self.pool.size
 
     def _backup_calls_allowed(self) -> int:
         """Write-through backups are background work: while engines store or load, they run at most
