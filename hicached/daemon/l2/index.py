@@ -388,6 +388,20 @@ class PageIndex:
         if entry.in_lru:
             self._lru[entry.cls].move_to_end(entry)
 
+    def touch_keys(self, ns: str, keys: Iterable[str]) -> int:
+        """Moves the ready pages of `keys` (namespace `ns`) to the most-recently-used end: how many are in L2.
+        A page out of the LRU (leased, pinned, dirty) counts too; it is filed at that end when it returns."""
+        get = self._by_ns.get(ns, _NO_ENTRIES).get
+        n = 0
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.state != READY:
+                continue
+            if entry.in_lru:
+                self._lru[entry.cls].move_to_end(entry)
+            n += 1
+        return n
+
     def lease(self, entry: Entry) -> None:
         entry.leases += 1
         if entry.leases == 1 and entry.in_lru:

@@ -355,7 +355,7 @@ class RegionService:
         result = [st == ALLOC_PRESENT for st in status]
         todo = [i for i, st in enumerate(status) if st == ALLOC_WRITE]
         if not todo:
-            return {"ok": result}
+            return {"ok": result, "copied": 0}
         # Out of the engine's reach until the copy ended: an abort, commit or hello meanwhile would free
         # the slots (or make them evictable) while the copy still writes into them.
         held = self.tiers.hold_writing(s, [keys[i] for i in todo])
@@ -374,7 +374,7 @@ class RegionService:
         for i in todo:
             result[i] = True
         self.counters["store_pages"] += len(todo)
-        return {"ok": result}
+        return {"ok": result, "copied": len(todo)}  # pages copied; the others were held or not taken
 
     async def load_pages(self, s: Session, req: dict[str, Any]) -> dict[str, Any]:
         region, pages, keys = self._lookup(s, req, unique=True)

@@ -951,6 +951,15 @@ class Tiers:
             self.pinned_bytes -= entry.cls.slot_bytes
         self.index.remove(entry)
 
+    # Recency.
+
+    def touch(self, s: Session, keys: list[str]) -> int:
+        """The keys' pages in L2 become the most recently used (what an engine's own cache just used, so
+        that eviction follows use): no lease, no L3 read, nothing copied. How many were in L2."""
+        n = self.index.touch_keys(s.ns, keys)
+        self.counters["touch.pages"] += n
+        return n
+
     # Pins.
 
     def pin(self, s: Session, keys: list[str]) -> int:

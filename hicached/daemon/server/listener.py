@@ -570,6 +570,7 @@ class Server:
             "wait": wait,
             "pin": lambda s, req: {"n": t.pin(s, keys(s, req))},
             "unpin": lambda s, req: {"n": t.unpin(s, keys(s, req))},
+            "touch": lambda s, req: {"n": t.touch(s, keys(s, req))},
             "clear": lambda s, req: t.clear(s),
             "status": status,
             "stats": stats,
