@@ -547,6 +547,23 @@ class Client:
         """Whether each key is in L2 or L3, holes and all (exists counts the leading ones only)."""
         return self._call(lambda w: w.ops.op_present(keys), retry=True)
 
+    def touch(self, keys: Sequence[str]) -> int:
+        """Makes the keys' pages in L2 the most recently used, so that eviction follows the engine's own
+        use of them (no lease, no L3 read, nothing copied): how many were in L2."""
+        return self._call(lambda w: w.ops.op_touch(keys), retry=True)
+
+    def store_pages_copied(
+        self, handle: int, page_indices: Sequence[int], keys: Sequence[str]
+    ) -> tuple[list[bool], int | None]:
+        """store_pages, and how many of the pages the daemon copied into L2 (the others it held already, or
+        did not take): None where it does not say (an older daemon, or a local region)."""
+        return self._call(
+            lambda w: w.ops.op_store_pages_copied(
+                self._regions.daemon_handle(handle, w.gen), page_indices, keys
+            ),
+            retry=True,
+        )
+
     def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
         return self._call(lambda w: w.ops.op_store(keys, pages), retry=True)
 
@@ -922,6 +939,19 @@ class AsyncClient:
 
     async def present(self, keys: Sequence[str]) -> list[bool]:
         return await self._call(lambda w: w.ops.op_present(keys), retry=True)
+
+    async def touch(self, keys: Sequence[str]) -> int:
+        return await self._call(lambda w: w.ops.op_touch(keys), retry=True)
+
+    async def store_pages_copied(
+        self, handle: int, page_indices: Sequence[int], keys: Sequence[str]
+    ) -> tuple[list[bool], int | None]:
+        return await self._call(
+            lambda w: w.ops.op_store_pages_copied(
+                self._regions.daemon_handle(handle, w.gen), page_indices, keys
+            ),
+            retry=True,
+        )
 
     async def store(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
         return await self._call(lambda w: w.ops.op_store(keys, pages), retry=True)

@@ -201,6 +201,24 @@ class _Ops(RegionOps):
             return []
         return [bool(p) for p in (yield {"op": "present", "keys": list(keys)})["present"]]
 
+    def op_touch(self, keys: Sequence[str]) -> Op:
+        if not keys:
+            return 0
+        return (yield {"op": "touch", "keys": list(keys)})["n"]
+
+    def op_store_pages_copied(self, handle: int, page_indices: Any, keys: Sequence[str]) -> Op:
+        """op_store_pages, and how many pages the daemon copied (None where it does not say: an older
+        daemon, or a local region, which this client copies itself)."""
+        if isinstance(handle, int) and handle < 0:
+            return (yield from self.op_store_pages(handle, page_indices, keys)), None
+        keys, pages = list(keys), _indices(page_indices)
+        if len(keys) != len(pages):
+            raise HicachedError(BAD_REQUEST, f"{len(pages)} page indices but {len(keys)} keys")
+        if not keys:
+            return [], 0
+        ans = yield {"op": "store_pages", "handle": handle, "page_indices": pages, "keys": keys}
+        return ans["ok"], ans.get("copied")
+
     def op_store(self, keys: Sequence[str], pages: Sequence[Any]) -> Op:
         keys = list(keys)
         if len(keys) != len(pages):
