@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hicached.engine.vllm_daemon import Daemon
-from hicached.engine.vllm_lookup import Answer, Lookups
+from hicached.engine.vllm_lookup import Answer, Lookups, Touches
 from hicached.engine.vllm_rows import check_prefix, region_file, row_fields
 
 __all__ = ["HicachedTier"]
@@ -46,6 +46,7 @@ L2_LOADED = "vllm:kv_offload_hicached_l2_loaded_chunks"
 L3_LOADED = "vllm:kv_offload_hicached_l3_loaded_chunks"
 LATE_LOOKUPS = "vllm:kv_offload_hicached_late_lookups"
 CONNECTS = "vllm:kv_offload_hicached_connects"
+DROPPED_TOUCHES = "vllm:kv_offload_hicached_dropped_touches"
 REACHABLE = "vllm:kv_offload_hicached_daemon_reachable"
 
 _ANSWERS = {Answer.HIT: LookupResult.HIT, Answer.MISS: LookupResult.MISS, Answer.RETRY: LookupResult.RETRY}
@@ -124,6 +125,9 @@ class HicachedTier(SecondaryTierManager):
             float(reconnect_s),
         )
         self._lookups = Lookups(self._daemon.present, f"hicached_lookup_{tier_type}")
+        self._touches = Touches(
+            self._daemon.touch, lambda: self._daemon.reachable, f"hicached_touch_{tier_type}"
+        )
         self._jobs: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
         self._seq = itertools.count()
         # A finished job: its result, the keys a failed load marks missed, the keys a store put in the tier.
@@ -132,7 +136,7 @@ class HicachedTier(SecondaryTierManager):
         self._outstanding = 0  # jobs submitted whose result is not yet queued
         self._counts = {L2_LOADED: 0, L3_LOADED: 0}
         self._counts_lock = threading.Lock()
-        self._reported = {LATE_LOOKUPS: 0, CONNECTS: 0}
+        self._reported = {LATE_LOOKUPS: 0, CONNECTS: 0, DROPPED_TOUCHES: 0}
         self._closed = False
         self._workers = [
             threading.Thread(target=self._work, name=f"hicached_io_{tier_type}_{i}", daemon=True)
@@ -155,6 +159,14 @@ class HicachedTier(SecondaryTierManager):
         except Exception:
             logger.exception("hicached: lookup failed; answering a miss")
             return LookupResult.MISS
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """The blocks become the most recently used in the daemon's L2 (so that its eviction follows vLLM's
+        use): queued here, sent in one batch by a thread of the tier; dropped while the daemon is down."""
+        try:
+            self._touches.add(keys)
+        except Exception:
+            logger.exception("hicached: queueing a touch failed")
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -242,6 +254,7 @@ class HicachedTier(SecondaryTierManager):
             for t in self._workers:
                 t.join()
             self._lookups.shutdown()
+            self._touches.shutdown()
             self._daemon.close()
         except Exception:
             logger.exception("hicached: shutting the tier down failed")
@@ -266,6 +279,12 @@ class HicachedTier(SecondaryTierManager):
             CONNECTS: OffloadingCounterMetadata(
                 documentation="Daemon connections the hicached tier made (at start, and after one went).",
             ),
+            DROPPED_TOUCHES: OffloadingCounterMetadata(
+                documentation=(
+                    "Chunk touches the hicached tier dropped (the daemon down, or more queued than it "
+                    "sends) instead of making them the most recently used in the daemon's L2."
+                )
+            ),
             REACHABLE: OffloadingGaugeMetadata(
                 documentation="1 while the hicached tier holds a connection to the daemon, else 0."
             ),
@@ -276,9 +295,14 @@ class HicachedTier(SecondaryTierManager):
             stats = OffloadingConnectorStats()
             with self._counts_lock:
                 counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
-            counts[LATE_LOOKUPS] = self._lookups.late - self._reported[LATE_LOOKUPS]
-            counts[CONNECTS] = self._daemon.connects - self._reported[CONNECTS]
-            self._reported = {LATE_LOOKUPS: self._lookups.late, CONNECTS: self._daemon.connects}
+            now = {
+                LATE_LOOKUPS: self._lookups.late,
+                CONNECTS: self._daemon.connects,
+                DROPPED_TOUCHES: self._touches.dropped,
+            }
+            for name, n in now.items():
+                counts[name] = n - self._reported[name]
+            self._reported = now
             for name, n in counts.items():
                 if n:
                     stats.increase_counter(name, n)
@@ -316,8 +340,9 @@ class HicachedTier(SecondaryTierManager):
         row = self.block_size_bytes
         if not job.load:
             stored = self._daemon.store(job.keys, job.chunk_ids)
-            ok = stored is not None and stored == len(job.keys)
-            nbytes = (stored or 0) * row
+            ok = stored is not None and stored[0] == len(job.keys)
+            # The bytes the daemon copied: a block it held already (another engine's) cost no copy.
+            nbytes = stored[1] if stored is not None else 0
             return JobResult(job.job_id, ok, None, time.perf_counter() - start, nbytes), ()
         from_l2, from_l3 = self._daemon.load(job.keys, job.chunk_ids)
         n = from_l2 + from_l3

@@ -212,17 +212,35 @@ class Daemon:
         # A lookup that timed out holds nothing: the jobs on this connection go on.
         return self.call("lookup", ask, [False] * len(keys), drop_on_timeout=False)
 
-    def store(self, keys: Sequence[bytes], chunk_ids: Any) -> int | None:
-        """Copies the rows into the daemon under their keys: how many blocks are stored (there already
-        counts), or None when the daemon could not be asked."""
+    def touch(self, keys: Sequence[bytes]) -> int | None:
+        """Makes the blocks' pages in L2 the most recently used, the last key most: how many pages the
+        daemon holds, or None when it could not be asked."""
 
         def run(conn: Conn) -> int:
+            names = conn.keys(keys)
+            return sum(conn.client.touch(names[i : i + MAX_KEYS]) for i in range(0, len(names), MAX_KEYS))
+
+        # Like a lookup, a touch that timed out holds nothing: the jobs on this connection go on.
+        return self.call("touch", run, None, drop_on_timeout=False)
+
+    def store(self, keys: Sequence[bytes], chunk_ids: Any) -> tuple[int, int] | None:
+        """Copies the rows into the daemon under their keys: (blocks stored, there already counting; bytes
+        the daemon copied, not counting what it held already), or None when the daemon could not be asked."""
+
+        def run(conn: Conn) -> tuple[int, int]:
             names, pages = conn.keys(keys), conn.pages(chunk_ids)
             ok: list[bool] = []
+            copied: int | None = 0
             for i in range(0, len(names), MAX_KEYS):
-                ok += conn.client.store_pages(conn.handle, pages[i : i + MAX_KEYS], names[i : i + MAX_KEYS])
+                got, n = conn.client.store_pages_copied(
+                    conn.handle, pages[i : i + MAX_KEYS], names[i : i + MAX_KEYS]
+                )
+                ok += got
+                copied = None if n is None or copied is None else copied + n
             k = conn.parts
-            return sum(all(ok[j * k : (j + 1) * k]) for j in range(len(keys)))
+            blocks = sum(all(ok[j * k : (j + 1) * k]) for j in range(len(keys)))
+            # A daemon that does not say what it copied (older than the `copied` answer): every block stored.
+            return blocks, blocks * self.row_bytes if copied is None else copied * conn.part_bytes
 
         return self.call("store", run, None)
 

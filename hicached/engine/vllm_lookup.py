@@ -1,16 +1,20 @@
 """Lookups of the vLLM tier without waiting under vLLM's lock: a step's new keys go to the daemon in one batch
-at the step's end, on a thread of their own, and are answered from what came back (hicached.engine.vllm)."""
+at the step's end, on a thread of their own, and are answered from what came back; touches are queued and
+sent in batches the same way (hicached.engine.vllm)."""
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
+
+MAX_TOUCHES = 65536  # keys waiting to be sent; past it the least recently touched are dropped
 
 
 class Phase(enum.Enum):
@@ -148,3 +152,79 @@ class Lookups:
                 logger.exception("hicached: a lookup batch failed; its %d keys are misses", len(keys))
                 found = [False] * len(keys)
             self._done.put([(key, gen, bool(f)) for (key, gen), f in zip(batch, found, strict=True)])
+
+
+class Touches:
+    """vLLM's touch() without waiting under its lock: `add` queues the keys (a key touched again moves to
+    the back) and wakes a thread of its own, which sends all that queued meanwhile in one batch, least
+    recently touched first, so that the daemon ends with the same order. Bounded: past `bound` keys the
+    oldest are dropped. While the daemon is down (`up` false) touches are dropped, not kept for later; so is
+    a batch the daemon could not be asked (`send` answered None)."""
+
+    def __init__(
+        self,
+        send: Callable[[Sequence[bytes]], int | None],
+        up: Callable[[], bool],
+        name: str,
+        bound: int = MAX_TOUCHES,
+    ) -> None:
+        self._send = send
+        self._up = up
+        self._bound = bound
+        self._keys: dict[bytes, None] = {}  # insertion order: least recently touched first
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.sent = 0  # keys the daemon was asked to touch
+        self.dropped = 0  # keys touched and never sent
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
+        if not keys:
+            return
+        with self._lock:
+            if self._stop or not self._up():
+                self.dropped += len(keys)
+                return
+            pending = self._keys
+            for key in keys:
+                pending.pop(key, None)
+                pending[key] = None
+            over = len(pending) - self._bound
+            if over > 0:
+                for key in list(itertools.islice(pending, over)):
+                    del pending[key]
+                self.dropped += over
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        """Stops the thread once a batch on its way has been answered; what is still queued is dropped."""
+        with self._lock:
+            self._stop = True
+            self.dropped += len(self._keys)
+            self._keys = {}
+        self._wake.set()
+        self._thread.join()
+
+    def _work(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                self._wake.clear()  # under the lock: a key added after this wakes the next round
+                if self._stop:
+                    return
+                keys, self._keys = list(self._keys), {}
+            if not keys:
+                continue
+            try:
+                found = self._send(keys)
+            except Exception:  # send answers None itself; this is a bug, and must not stop the thread
+                logger.exception("hicached: a touch batch failed; its %d keys are dropped", len(keys))
+                found = None
+            with self._lock:
+                if found is None:
+                    self.dropped += len(keys)
+                else:
+                    self.sent += len(keys)

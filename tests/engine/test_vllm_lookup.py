@@ -1,5 +1,6 @@
 """The vLLM tier's lookups (hicached.engine.vllm_lookup): a step's keys resolved in one batch off the caller's
-thread, RETRY once at most for a request and key, per-request references, mark_miss after a failed load."""
+thread, RETRY once at most for a request and key, per-request references, mark_miss after a failed load; its
+touches queued, coalesced, bounded and sent off the caller's thread."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hicached.engine.vllm_lookup import Answer, Lookups
+from hicached.engine.vllm_lookup import Answer, Lookups, Touches
 
 HIT, MISS, RETRY = Answer.HIT, Answer.MISS, Answer.RETRY
 
@@ -129,3 +130,79 @@ def test_a_failing_resolve_turns_into_misses_and_lookups_go_on() -> None:
         assert lk.lookup(b"b", "r1") == HIT
     finally:
         lk.shutdown()
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_touches_queued_while_a_batch_is_out_go_in_one_batch_in_recency_order() -> None:
+    d = Daemon(set())
+    sent: list[list[bytes]] = []
+
+    def send(keys: Sequence[bytes]) -> int:
+        d.gate.wait(30)
+        sent.append(list(keys))
+        return len(keys)
+
+    t = Touches(send, lambda: True, "test-touches")
+    try:
+        d.gate.clear()  # the daemon holds the first batch
+        t.add([b"a"])
+        wait_until(lambda: not t._keys)  # taken by the thread, waiting on the daemon
+        start = time.perf_counter()
+        t.add([b"b", b"c"])
+        t.add([b"d", b"b"])  # b touched again: it moves behind d
+        assert time.perf_counter() - start < 0.05  # never waits on the daemon
+        d.gate.set()
+        wait_until(lambda: t.sent == 4)
+        assert sent == [[b"a"], [b"c", b"d", b"b"]]
+        assert t.dropped == 0
+    finally:
+        t.shutdown()
+
+
+def test_touches_are_bounded_and_dropped_while_the_daemon_is_down() -> None:
+    up = threading.Event()
+    gate = threading.Event()
+    sent: list[list[bytes]] = []
+
+    def send(keys: Sequence[bytes]) -> int | None:
+        gate.wait(30)
+        sent.append(list(keys))
+        return None if keys == [b"lost"] else len(keys)
+
+    t = Touches(send, up.is_set, "test-touches", bound=3)
+    try:
+        t.add([b"x", b"y"])  # the daemon is down: dropped at once, nothing queued
+        assert t.dropped == 2 and not t._keys
+        up.set()
+        t.add([b"lost"])
+        gate.set()
+        wait_until(lambda: t.dropped == 3)  # the daemon could not be asked: dropped
+        gate.clear()
+        t.add([b"first"])
+        wait_until(lambda: not t._keys)  # out, held by the daemon
+        t.add([b"1", b"2", b"3", b"4", b"5"])  # past the bound: the two oldest dropped
+        assert t.dropped == 5 and list(t._keys) == [b"3", b"4", b"5"]
+        gate.set()
+        wait_until(lambda: t.sent == 4)
+        assert sent[-2:] == [[b"first"], [b"3", b"4", b"5"]]
+        gate.clear()
+        t.add([b"6"])
+        wait_until(lambda: not t._keys)
+        t.add([b"7"])
+        # Shut down while [6] is out: it is answered, and [7], still queued, is dropped, not sent.
+        stopping = threading.Thread(target=t.shutdown)
+        stopping.start()
+        wait_until(lambda: t._stop)
+        gate.set()
+        stopping.join(30)
+        assert not stopping.is_alive()
+        assert t.dropped == 6 and sent[-1] == [b"6"] and t.sent == 5
+    finally:
+        gate.set()
+        t.shutdown()
