@@ -10,22 +10,15 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
+from .errors import ConfigError
 from .schema import MAX_CONCURRENCY, Config
+from .tenants import check_tenants
 from .units import MiB, parse_duration, parse_size
 
 # A configuration is a few KiB: past this, the path names something else (a log, a core file).
 MAX_FILE_BYTES = 1 * MiB
 # TOML's integers are 64-bit signed: a larger one cannot be meant, and would overflow where it is used.
 MAX_INT = 2**63 - 1
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; `path` names the offending key (e.g. "pool.capacity")."""
-
-    def __init__(self, path: str, message: str) -> None:
-        self.path = path
-        self.message = message
-        super().__init__(f"{path}: {message}" if path else message)
 
 
 def load(path: str | os.PathLike[str]) -> Config:
@@ -160,6 +153,11 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         if value not in choices:
             raise ConfigError(path, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
         return value
+    if origin is dict:
+        key, item = get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a table, got {type(value).__name__}")
+        return {k: _convert(item, v, _join(path, k)) for k, v in value.items()}
     if origin is list:
         (item,) = get_args(hint)
         if not isinstance(value, list):
@@ -354,6 +352,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("warmup.state_file", "must name a file when warmup.enabled = true")
     _positive(cfg.regions, "regions", "max_per_connection", "max_bytes_per_connection", "copy_threads")
     _positive(cfg.regions, "regions", "copy_stall_timeout")
+    check_tenants(cfg, resolve_path)
     if cfg.metrics.listen:
         host, sep, port = cfg.metrics.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

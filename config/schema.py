@@ -20,6 +20,10 @@ PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 BacklogFull = Literal["drop_oldest", "refuse"]
 
+# Bound on the [tenants.NAME] tables: each tenant's listening socket is one fd of a takeover's hand-over
+# message, and SCM_RIGHTS carries at most 253 fds in one message.
+MAX_TENANTS = 128
+
 # Bound on the backend calls in flight per direction and on the file backend's I/O threads: each is a task or
 # a thread that a reload starts at once, and a typo of a few digits must not stall the daemon.
 MAX_CONCURRENCY = 1024
@@ -269,6 +273,22 @@ class WarmupConfig:
 
 
 @dataclass
+class TenantConfig:
+    """[tenants.NAME]: engines kept apart from the other tenants' (README, "Trust model"). A peer belongs to
+    the first tenant it matches: the socket it came through, then its uid, then its (primary) gid."""
+
+    uids: list[int] = field(default_factory=list)
+    gids: list[int] = field(default_factory=list)
+    # A socket of its own: whoever connects through it is an engine of this tenant (the file's mode is the
+    # gate), and may change nothing. Empty: members come through server.socket by uid/gid.
+    socket: Path = ""
+    # The namespaces its engines may open: exact names, or prefixes ending in '*'. No two tenants' overlap.
+    namespaces: list[str] = field(default_factory=list)
+    # Its share of L2, carved out of pool.capacity (required); the default tenant gets what is left.
+    capacity: Size = 0
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -278,6 +298,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     regions: RegionsConfig = field(default_factory=RegionsConfig)
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
     # Directory of the file the configuration came from; relative paths resolve against it.
     base_dir: str = field(default=".", metadata={"internal": True})
     # The tables and keys the file set, as dotted paths ("storage.redis", "storage.redis.url"): a network

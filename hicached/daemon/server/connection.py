@@ -34,6 +34,10 @@ CONTROL_OPS = frozenset(
 )
 
 
+# Answers shown to an engine as its tenant sees them (Server.view).
+VIEWS = frozenset({"status", "stats"})
+
+
 class Connection(asyncio.Protocol):
     """`server` is the listener that admitted the peer (hicached.daemon.server.listener.Server)."""
 
@@ -46,12 +50,16 @@ class Connection(asyncio.Protocol):
         initial: bytes = b"",
         operator: bool = False,
         deadline: float | None = None,
+        gid: int = -1,
+        via: str = "",
     ) -> None:
         self.server = server
         self.session = session
         self.token = token
         self.uid = uid
-        self.operator = operator  # may use the controls that change the daemon
+        self.gid = gid
+        self.via = via  # the tenant socket the peer came through; "" for server.socket
+        self.operator = operator  # may use the controls that change the daemon, and sees every tenant
         self._initial = initial  # bytes read before the socket became a transport
         self.decoder = protocol.FrameDecoder(server.cfg.server.max_frame)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -177,12 +185,18 @@ class Connection(asyncio.Protocol):
             self.server.unauthorized += 1
             action = msg.get("action")
             what = f"backend {action}" if op == "backend" and isinstance(action, str) else op
+            who = (
+                f"this is tenant {self.session.tenant!r}'s socket, which serves engines alone: operators use "
+                "server.socket"
+                if self.via
+                else f"uid {self.uid} connects as an engine"
+            )
             self._send(
                 protocol.error_answer(
                     rid,
                     UNAUTHORIZED,
                     f"{what} changes the daemon and needs the operator role (root, the daemon's uid, "
-                    f"server.operator_uids/operator_gids); uid {self.uid} connects as an engine",
+                    f"server.operator_uids/operator_gids); {who}",
                 )
             )
             return
@@ -199,6 +213,8 @@ class Connection(asyncio.Protocol):
             return
         if op == "hello":
             self._handshake_done()
+        elif op in VIEWS:
+            result = self.server.view(op, result, None if self.operator else self.session.tenant)
         if isinstance(result, Awaitable):
             task = asyncio.ensure_future(self._finish(rid, op, result))
             self.tasks.add(task)

@@ -8,10 +8,12 @@ per connection. A frame that cannot be read closes its connection only. The firs
 read on the raw socket: if an fd came with them, the connection registers a host memory region (see
 hicached.common.protocol) and is closed after its answer.
 
-Roles: operators (root, the daemon's uid, server.operator_uids/gids) may use every control; engines
-(server.allowed_uids/gids) get `unauthorized` for the controls that change the daemon. The pool fd still goes
-out with the welcome, to operators and engines alike: with one tenant every admitted peer may map the
-whole pool by saying hello anyway, and the engine client maps it from the welcome (README, "Trust model").
+Roles: operators (root, the daemon's uid, server.operator_uids/gids) may use every control on server.socket;
+engines (server.allowed_uids/gids, the members of tenants) get `unauthorized` for the controls that change the
+daemon. Tenants (hicached.daemon.server.tenants): every peer belongs to one; it is handed its tenant's pool
+memory with the welcome (Tiers.arena), may open only its tenant's namespaces, and sees only its tenant in
+`status` and `stats`. Each tenant socket is listened on beside server.socket: whoever connects through it
+is an engine of that tenant, root included (README, "Trust model").
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from hicached.common.errors import (
     HicachedError,
 )
 from hicached.common.keys import check_keys, check_namespace
-from hicached.common.protocol import arg, keys_arg
+from hicached.common.protocol import ALLOC_WRITE, arg, keys_arg
 from hicached.config import Config, resolve_path
+from hicached.config.tenants import DEFAULT
 from hicached.daemon.regions.service import RegionService
 from hicached.daemon.sched.tiers import Session, Tiers
 from hicached.daemon.server.budget import PendingBudget
 from hicached.daemon.server.connection import Connection
+from hicached.daemon.server.tenants import TenantTable
 
 log = logging.getLogger("hicached.server")
 
@@ -72,7 +76,8 @@ def _never_answered(session: Session, req: dict[str, Any]) -> asyncio.Future[Any
 
 class Server:
     def __init__(self, cfg: Config, tiers: Tiers, control: dict[str, Handler] | None = None) -> None:
-        self.cfg = cfg
+        self._cfg = cfg
+        self.tenants = TenantTable(cfg)
         self.tiers = tiers
         self.path = resolve_path(cfg, cfg.server.socket)
         self.connections: set[Connection] = set()
@@ -80,9 +85,11 @@ class Server:
         self.stopping = False  # no new connections either
         self.refused = 0
         self._refused_by_uid: dict[int, int] = {}
-        self._lsock: socket.socket | None = None
-        self._owns_path = True
-        self._accept_task: asyncio.Task[None] | None = None
+        # Listening sockets by path: server.socket's first, then the tenants' (path -> tenant in _tenant_of).
+        self._listeners: dict[str, socket.socket] = {}
+        self._tenant_of: dict[str, str] = {}
+        self._unlink: set[str] = set()  # paths this server removes at its stop (not systemd's socket)
+        self._accept_tasks: list[asyncio.Task[None]] = []
         self._admitting: set[asyncio.Task[Any]] = set()
         self._engines_admitting = 0  # engine connections past their first bytes, not yet in `connections`
         self.regions = RegionService(lambda: self.cfg, tiers)
@@ -95,38 +102,81 @@ class Server:
         self.unauthorized = 0  # controls refused to engines
         self.handshake_timeouts = 0  # connections closed without a hello or a control request in time
 
+    @property
+    def cfg(self) -> Config:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: Config) -> None:
+        """A reload sets the configuration (Daemon._apply): the tenant table follows it, and connections that
+        no longer qualify for what they hold are closed (their engines reconnect and are judged afresh)."""
+        self._cfg = cfg
+        self.tenants = TenantTable(cfg)
+        self._judge_connections()
+
     # Lifecycle.
 
-    async def start(self, sock: socket.socket | None = None, owns_path: bool | None = None) -> None:
+    async def start(
+        self,
+        sock: socket.socket | None = None,
+        owns_path: bool | None = None,
+        handed: list[socket.socket] | None = None,
+    ) -> None:
         """Listen on the configured path, or on `sock` when one was handed over (socket activation, or a
-        takeover: `owns_path` then, as the path is the daemon's to remove at its stop)."""
+        takeover: `owns_path` then, as the path is the daemon's to remove at its stop), and on each tenant's
+        socket: one of `handed` (a takeover's) listening on its path, or bound here."""
         # A socket from systemd stays systemd's: never unlinked.
-        self._owns_path = sock is None if owns_path is None else owns_path
-        self._lsock = sock if sock is not None else self._bind()
+        owns = sock is None if owns_path is None else owns_path
+        lsock = sock if sock is not None else self._bind(self.path)
         if sock is not None and isinstance(sock.getsockname(), str) and sock.getsockname():
             self.path = sock.getsockname()
-        self._lsock.setblocking(False)
-        self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
+        if owns:
+            self._unlink.add(self.path)
+        self._listen(self.path, lsock, "")
+        by_path = {s.getsockname(): s for s in handed or ()}
+        try:
+            for path, tenant in self.tenants.by_socket.items():
+                lsock = by_path.pop(path, None) or self._bind(path)
+                self._unlink.add(path)
+                self._listen(path, lsock, tenant)
+        except BaseException:
+            self.stop_accepting()
+            raise
+        finally:
+            for path, s in by_path.items():  # a tenant socket the previous instance had and this one has not
+                s.close()
+                self._remove_socket(path)
         self.budget.start()
-        log.info("listening on %s", self.path)
+        log.info("listening on %s", ", ".join(self._listeners))
+
+    def _listen(self, path: str, lsock: socket.socket, tenant: str) -> None:
+        lsock.setblocking(False)
+        self._listeners[path] = lsock
+        if tenant:
+            self._tenant_of[path] = tenant
+        self._accept_tasks.append(asyncio.create_task(self._accept_loop(lsock, path), name=f"accept {path}"))
 
     def stop_accepting(self) -> None:
         self.budget.stop()
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-        if self._lsock is not None:
-            self._lsock.close()
-            self._lsock = None
-            with contextlib.suppress(FileNotFoundError):
-                if self._owns_path and stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                    os.unlink(self.path)
+        for t in self._accept_tasks:
+            t.cancel()
+        for path, lsock in self._listeners.items():
+            lsock.close()
+            if path in self._unlink:
+                self._remove_socket(path)
+        self._listeners.clear()
+
+    @staticmethod
+    def _remove_socket(path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
 
     async def stop(self, timeout: float) -> None:
         """Stop accepting, answer what is in flight (bounded by `timeout`), then close every connection."""
         self.draining = self.stopping = True
         self.stop_accepting()
-        if self._accept_task is not None:
-            await asyncio.gather(self._accept_task, return_exceptions=True)
+        await asyncio.gather(*self._accept_tasks, return_exceptions=True)
         for t in list(self._admitting):
             t.cancel()
         await asyncio.gather(*self._admitting, return_exceptions=True)
@@ -138,19 +188,22 @@ class Server:
         await asyncio.sleep(0)
         await self.regions.close(timeout)
 
-    async def hand_over(self, timeout: float) -> socket.socket:
-        """Takeover, old side: stop accepting but keep the listening socket open (engines that connect
-        meanwhile wait in its backlog for the next instance), answer the requests already read (bounded by
-        `timeout`) while reading no new one, close every connection, and return the listening socket, no
-        longer this server's: never closed nor unlinked by it."""
+    async def hand_over(self, timeout: float) -> list[socket.socket]:
+        """Takeover, old side: stop accepting but keep the listening sockets open (engines that connect
+        meanwhile wait in their backlogs for the next instance), answer the requests already read (bounded
+        by `timeout`) while reading no new one, close every connection, and return the listening sockets,
+        server.socket's first, then the tenants' (the next instance matches them by path), no longer this
+        server's: never closed nor unlinked by it."""
         self.stopping = True
         self.budget.stop()
-        sock, self._lsock = self._lsock, None
-        if sock is None:
+        socks = list(self._listeners.values())
+        if not socks:
             raise RuntimeError("the server is not listening: nothing to hand over")
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            await asyncio.gather(self._accept_task, return_exceptions=True)
+        self._listeners.clear()
+        self._unlink.clear()
+        for t in self._accept_tasks:
+            t.cancel()
+        await asyncio.gather(*self._accept_tasks, return_exceptions=True)
         for t in list(self._admitting):
             t.cancel()  # their engines see the connection close and connect again, to the next instance
         await asyncio.gather(*self._admitting, return_exceptions=True)
@@ -176,10 +229,9 @@ class Server:
                 c.transport.abort()  # a peer that does not read its answers
         await asyncio.sleep(0)
         await self.regions.close(timeout)
-        return sock
+        return socks
 
-    def _bind(self) -> socket.socket:
-        path = self.path
+    def _bind(self, path: str) -> socket.socket:
         os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
         self._remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -217,16 +269,16 @@ class Server:
 
     # Admission.
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, lsock: socket.socket, path: str) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, _ = await loop.sock_accept(self._lsock)
+                sock, _ = await loop.sock_accept(lsock)
             except OSError as e:
-                log.warning("accept failed: %s", e)
+                log.warning("accept on %s failed: %s", path, e)
                 await asyncio.sleep(0.1)
                 continue
-            task = asyncio.create_task(self._admit(sock))
+            task = asyncio.create_task(self._admit(sock, "" if path == self.path else path))
             self._admitting.add(task)
             task.add_done_callback(self._admitting.discard)
 
@@ -240,6 +292,49 @@ class Server:
             return ENGINE
         return None
 
+    def place(self, uid: int, gid: int, via: str = "") -> tuple[str | None, str]:
+        """(role, tenant) of a peer that came through socket `via` ("": server.socket); role None for a peer
+        this daemon does not admit. Through a tenant's socket anyone is an engine of that tenant; through
+        server.socket a peer belongs to the first tenant its uid, then its gid, matches, and the operators and
+        server.allowed_uids/gids that match none are in the default tenant."""
+        if via:
+            tenant = self._tenant_of.get(via)
+            return (ENGINE, tenant) if tenant is not None else (None, DEFAULT)
+        role = self.role(uid, gid)
+        tenant = self.tenants.member(uid, gid)
+        if tenant is not None:
+            return role or ENGINE, tenant
+        return role, DEFAULT
+
+    def _no_room(self, role: str | None, tenant: str) -> bool:
+        """An engine of the default tenant when [tenants] leave it no capacity: nothing it could store."""
+        return (
+            role == ENGINE
+            and tenant == DEFAULT
+            and self.tenants.configured
+            and self.tenants.tenants[DEFAULT].capacity <= 0
+        )
+
+    def _judge_connections(self) -> None:
+        """After a reload: closes the connections whose peer now places in another tenant (or nowhere), or
+        whose namespace its tenant no longer allows; an operator that is one no more loses the role."""
+        for c in list(self.connections):
+            if c.transport is None or c.transport.is_closing():
+                continue
+            role, tenant = self.place(c.uid, c.gid, c.via)
+            ns = c.session.ns
+            if role is None or self._no_room(role, tenant):
+                why = "no longer admitted"
+            elif tenant != c.session.tenant:
+                why = f"now in tenant {tenant!r}, not {c.session.tenant!r}"
+            elif ns and not self.tenants.allows(tenant, ns):
+                why = f"namespace {ns!r} is no longer tenant {tenant!r}'s"
+            else:
+                c.operator = role == OPERATOR and not c.via
+                continue
+            log.warning("reload: closing connection from %s: %s (it may connect again)", c.session.peer, why)
+            c.close()
+
     def needs_operator(self, op: str, req: dict[str, Any]) -> bool:
         """Whether `op` changes the daemon: every control but the read-only ones. A control added to the
         daemon's handlers later is operator-only unless it is named here."""
@@ -247,14 +342,15 @@ class Server:
             return False
         return not (op == "backend" and req.get("action", "show") == "show")
 
-    async def _admit(self, sock: socket.socket) -> None:
+    async def _admit(self, sock: socket.socket, via: str = "") -> None:
+        """`via`: the tenant socket the peer came through; "" for server.socket."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.server.handshake_timeout
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid, uid, gid = struct.unpack("3i", creds)
-            role = self.role(uid, gid)
-            peer = f"pid={pid} uid={uid} gid={gid}"
+            role, tenant = self.place(uid, gid, via)
+            peer = f"pid={pid} uid={uid} gid={gid} tenant={tenant}"
             if role is None:
                 self.refused += 1
                 if len(self._refused_by_uid) > 4096:
@@ -269,6 +365,18 @@ class Server:
                     )
                 self._refuse(sock, UNAUTHORIZED, f"uid {uid} / gid {gid} may not use this daemon")
                 return
+            if self._no_room(role, tenant):
+                self.refused += 1
+                log.warning(
+                    "refused connection from %s: in no tenant, and the default tenant has no L2", peer
+                )
+                self._refuse(
+                    sock,
+                    UNAUTHORIZED,
+                    f"uid {uid} / gid {gid} is in no tenant, and the default tenant has no L2 (the tenants' "
+                    "capacities take all of pool.capacity): add it to a tenant's uids or gids",
+                )
+                return
             if self.stopping:
                 self._refuse(sock, DRAINING, "the daemon is shutting down")
                 return
@@ -281,11 +389,12 @@ class Server:
                 self._refuse(sock, BUSY, "too many connections (server.max_connections)")
                 return
             token = secrets.token_hex(16)
+            arena_fd, arena_bytes = self.tiers.arena(tenant)
             welcome = protocol.encode(
                 {
                     "id": 0,
                     "version": protocol.VERSION,
-                    "pool_bytes": self.tiers.pool.size,
+                    "pool_bytes": arena_bytes,
                     "max_frame": self.cfg.server.max_frame,
                     "max_keys": self.cfg.server.max_keys_per_request,
                     "pid": os.getpid(),
@@ -293,10 +402,10 @@ class Server:
                 }
             )
             sock.setblocking(False)
-            socket.send_fds(sock, [welcome], [self.tiers.pool.fd])
+            socket.send_fds(sock, [welcome], [arena_fd])
             first, fds = await self._first_bytes(sock, deadline)
             if fds:
-                await self._attach_connection(sock, first, fds, uid, deadline)
+                await self._attach_connection(sock, first, fds, uid, deadline, via)
                 return
             if not first:
                 self.handshake_timeouts += 1
@@ -310,12 +419,14 @@ class Server:
                 await loop.connect_accepted_socket(
                     lambda: Connection(
                         self,
-                        Session(peer=peer),
+                        Session(peer=peer, tenant=tenant),
                         token,
                         uid,
                         first,
                         operator=role == OPERATOR,
                         deadline=deadline,
+                        gid=gid,
+                        via=via,
                     ),
                     sock=sock,
                 )
@@ -352,11 +463,12 @@ class Server:
         return data, fds
 
     async def _attach_connection(
-        self, sock: socket.socket, data: bytes, fds: list[int], uid: int, deadline: float
+        self, sock: socket.socket, data: bytes, fds: list[int], uid: int, deadline: float, via: str = ""
     ) -> None:
         """A connection that registers a host region: one region_attach frame that came with the region's
-        memfd, one answer, then it closes. The region belongs to the connection named by `token`. Its
-        unfinished frame counts against server.max_pending_bytes: past it the connection is answered busy."""
+        memfd, one answer, then it closes. The region belongs to the connection named by `token`, of the same
+        uid and, when it came through a tenant socket, of that tenant. Its unfinished frame counts against
+        server.max_pending_bytes: past it the connection is answered busy."""
         loop = asyncio.get_running_loop()
         rid = 0
         answer: dict[str, Any] | None = None
@@ -378,7 +490,7 @@ class Server:
                 msg = msgs[0]
                 if isinstance(msg, dict) and isinstance(msg.get("id"), int):
                     rid = msg["id"]
-                answer = await self._region_attach(msg, fds, uid)
+                answer = await self._region_attach(msg, fds, uid, via)
                 answer["id"] = rid
         except HicachedError as e:
             answer = protocol.error_answer(rid, e.code, e.message)
@@ -408,7 +520,7 @@ class Server:
         finally:
             sock.close()
 
-    async def _region_attach(self, msg: Any, fds: list[int], uid: int) -> dict[str, Any]:
+    async def _region_attach(self, msg: Any, fds: list[int], uid: int, via: str = "") -> dict[str, Any]:
         if not isinstance(msg, dict) or msg.get("op") != "region_attach":
             raise HicachedError(BAD_REQUEST, "a connection that passes an fd must open with region_attach")
         if len(fds) != 1:
@@ -420,9 +532,33 @@ class Server:
             )
         if conn.uid != uid:
             raise HicachedError(UNAUTHORIZED, "a region can only be registered by the connection's own user")
+        if via and conn.session.tenant != self._tenant_of.get(via):
+            raise HicachedError(
+                UNAUTHORIZED,
+                f"a region registered through tenant {self._tenant_of.get(via)!r}'s socket can only serve a "
+                "connection of that tenant",
+            )
         if self.draining:
             raise HicachedError(DRAINING, "the daemon is draining")
         return await self.regions.attach(conn.session, msg, fds[0])
+
+    def _check_namespace(self, tenant: str, ns: str) -> None:
+        """`unauthorized` unless engines of `tenant` may open `ns` (and the tenant has L2 to store in)."""
+        table = self.tenants
+        if not table.allows(tenant, ns):
+            owner = table.owner(ns)
+            if tenant == DEFAULT:
+                why = f"it is tenant {owner!r}'s (tenants.{owner}.namespaces)"
+            else:
+                patterns = ", ".join(table.tenants[tenant].patterns)
+                why = f"tenant {tenant!r} may open {patterns} (tenants.{tenant}.namespaces)"
+            raise HicachedError(UNAUTHORIZED, f"namespace {ns!r} is not tenant {tenant!r}'s: {why}")
+        if table.configured and table.tenants[tenant].capacity <= 0:
+            raise HicachedError(
+                UNAUTHORIZED,
+                f"tenant {tenant!r} has no L2 (the tenants' capacities take all of pool.capacity): no "
+                "namespace can be opened in it",
+            )
 
     def _refuse_first(self, sock: socket.socket, first: bytes, code: str, message: str) -> None:
         """Refuses a connection that has had its welcome: the answer goes to its first request (its
@@ -474,6 +610,7 @@ class Server:
                 ns = check_namespace(arg(req, "namespace", str))
             except ValueError as e:
                 raise HicachedError(BAD_REQUEST, str(e)) from None
+            self._check_namespace(s.tenant, ns)
             return t.hello(s, ns, arg(req, "page_bytes", int))
 
         def all_in_l2(s: Session, req: dict[str, Any]) -> list[str] | None:
@@ -504,8 +641,13 @@ class Server:
             return {"present": await pending}
 
         def alloc(s: Session, req: dict[str, Any]) -> dict:
-            status, offsets = t.alloc(s, keys(s, req))
-            return {"status": status, "offsets": offsets}
+            ks = keys(s, req)
+            status, offsets = t.alloc(s, ks)
+            try:
+                return {"status": status, "offsets": t.engine_offsets(s, offsets)}
+            except HicachedError:
+                t.abort(s, [k for k, st in zip(ks, status, strict=True) if st == ALLOC_WRITE])
+                raise
 
         def reserve(s: Session, req: dict[str, Any]) -> dict:
             s.require_hello()
@@ -514,11 +656,12 @@ class Server:
             if not 0 <= n <= limit:
                 raise HicachedError(BAD_REQUEST, f"n must be between 0 and {limit}, got {n}")
             offsets, may_hold = t.reserve(s, n)
-            return {"offsets": offsets, "limit": may_hold}
+            return {"offsets": t.engine_offsets(s, offsets), "limit": may_hold}
 
         def put(s: Session, req: dict[str, Any]) -> dict:
             ks = keys(s, req)
-            return {"status": t.put(s, ks, arg(req, "offsets", list), sums(req, len(ks)))}
+            offsets = t.pool_offsets(s, arg(req, "offsets", list))  # the engine's are within its arena
+            return {"status": t.put(s, ks, offsets, sums(req, len(ks)))}
 
         def commit(s: Session, req: dict[str, Any]) -> dict:
             ks = keys(s, req)
@@ -527,14 +670,21 @@ class Server:
         def acquire(s: Session, req: dict[str, Any]) -> Any:
             ks = all_in_l2(s, req)
             if ks is not None:
-                lease, offsets = t.acquire_ready(s, ks)
-                return {"lease": lease, "offsets": offsets}
+                return leased(s, *t.acquire_ready(s, ks))
             # Taken now: in the namespace of the request, not of a hello sent after it.
-            return _acquire(t.acquire(s, keys(s, req), arg(req, "fetch", bool, True)))
+            return _acquire(s, t.acquire(s, keys(s, req), arg(req, "fetch", bool, True)))
 
-        async def _acquire(pending: Awaitable[tuple[int, list[int]]]) -> dict:
-            lease, offsets = await pending
-            return {"lease": lease, "offsets": offsets}
+        async def _acquire(s: Session, pending: Awaitable[tuple[int, list[int]]]) -> dict:
+            return leased(s, *await pending)
+
+        def leased(s: Session, lease: int, offsets: list[int]) -> dict:
+            """The answer to an acquire: offsets as the engine sees them (within its tenant's arena)."""
+            try:
+                return {"lease": lease, "offsets": t.engine_offsets(s, offsets)}
+            except HicachedError:
+                if lease:
+                    t.release(s, lease)
+                raise
 
         def release(s: Session, req: dict[str, Any]) -> dict:
             t.release(s, arg(req, "lease", int))
@@ -576,6 +726,44 @@ class Server:
             "stats": stats,
         }
 
+    def view(self, op: str, answer: Any, tenant: str | None) -> Any:
+        """`status` or `stats` as the asker may see it: an engine (`tenant` given) sees only its tenant's
+        namespaces and figures, and its tenant's name; an operator everything, and a `tenants` section."""
+        if isinstance(answer, Awaitable):
+            return self._view_later(op, answer, tenant)
+        # Per-tenant pool figures, where the tiers have them.
+        tenant_stats = getattr(self.tiers, "tenant_stats", None)
+        if tenant is None:
+            if op == "status":
+                answer["tenants"] = {name: self._connections_of(name) for name in self.tenants.tenants}
+                return answer
+            answer["tenants"] = {
+                name: {
+                    **self.tenants.describe(name),
+                    "connections": self._connections_of(name),
+                    **(tenant_stats(name) if tenant_stats is not None else {}),
+                }
+                for name in self.tenants.tenants
+            }
+            return answer
+        answer = _only_namespaces(answer, lambda ns: self.tenants.allows(tenant, ns))
+        if op == "status":
+            answer["connections"] = self._connections_of(tenant)
+            answer["socket"] = self.tenants.tenants[tenant].socket or self.path
+            answer["tenant"] = tenant
+            return answer
+        answer["server"]["connections"] = self._connections_of(tenant)
+        answer["tenant"] = {"name": tenant, **(tenant_stats(tenant) if tenant_stats is not None else {})}
+        if tenant_stats is not None and self.tenants.configured:
+            del answer["pool"]  # the whole pool's figures: every tenant's pages; its own are under `tenant`
+        return answer
+
+    async def _view_later(self, op: str, answer: Awaitable[Any], tenant: str | None) -> Any:
+        return self.view(op, await answer, tenant)
+
+    def _connections_of(self, tenant: str) -> int:
+        return sum(1 for c in self.connections if c.session.tenant == tenant)
+
     def status(self) -> dict:
         pool = self.tiers.index
         return {
@@ -585,8 +773,8 @@ class Server:
             "write_policy": self.cfg.storage.write_policy,
             "connections": len(self.connections),
             "pages": len(pool.entries),
-            "capacity_bytes": pool.alloc.capacity,
-            "used_bytes": sum(c.used * c.slot_bytes for c in pool.alloc.classes.values()),
+            "capacity_bytes": pool.capacity,
+            "used_bytes": pool.used_bytes(),
             "backup_pending": self.tiers.backup.pending,
             "draining": self.draining,
             "regions": self.regions.count,
@@ -607,3 +795,18 @@ class Server:
         }
         out["regions"] = self.regions.stats()
         return out
+
+
+def _only_namespaces(answer: Any, allowed: Callable[[str], bool]) -> Any:
+    """`answer` with every map or list under a key named "namespaces" cut down to the allowed namespaces."""
+    if not isinstance(answer, dict):
+        return answer
+    out = {}
+    for k, v in answer.items():
+        if k == "namespaces" and isinstance(v, dict):
+            out[k] = {ns: x for ns, x in v.items() if isinstance(ns, str) and allowed(ns)}
+        elif k == "namespaces" and isinstance(v, list):
+            out[k] = [ns for ns in v if isinstance(ns, str) and allowed(ns)]
+        else:
+            out[k] = _only_namespaces(v, allowed)
+    return out

@@ -92,7 +92,10 @@ class Daemon:
         except BaseException as e:
             if handed.done:
                 raise
-            # Not confirmed yet: the old instance serves again, from the same socket and L2.
+            # Not confirmed yet: the old instance serves again, from the same sockets and L2. The tenants'
+            # sockets are closed first: the old instance takes them back from its own fds.
+            for s in handed.tenant_listen:
+                s.close()
             await handed.abort(f"{type(e).__name__}: {e}")
             handed.listen.close()
             if not isinstance(e, Exception):
@@ -164,7 +167,11 @@ class Daemon:
         if handed is not None:
             # From here on this instance serves: the old one exits once told, and the path is ours to remove.
             await handed.confirm()
-        await self.server.start(listen_sock, owns_path=True if handed is not None else None)
+        await self.server.start(
+            listen_sock,
+            owns_path=True if handed is not None else None,
+            handed=handed.tenant_listen if handed is not None else takeover.passed_tenant_sockets(),
+        )
         self._serving = True
         self.takeover = takeover.Endpoint(self, self.server.path)
         self.takeover.start()
@@ -287,10 +294,11 @@ class Daemon:
         snapshot = keep.take(self.tiers, self.pool, repr(conn.location()) if conn is not None else None)
         return snapshot, keep.to_memfd(keep.encode(snapshot))
 
-    async def quiesce(self, drain_timeout: float) -> socket.socket:
+    async def quiesce(self, drain_timeout: float) -> list[socket.socket]:
         """Takeover, old side: stop serving without refusing anyone (requests in flight are answered, then
         connections close; engines reconnect to the next instance) and stop everything that changes L2.
-        Returns the listening socket, still open, for the next instance."""
+        Returns the listening sockets, still open, for the next instance: server.socket's, then the
+        tenants'."""
         if self.metrics is not None:
             await self.metrics.stop()  # its port is the next instance's
             self.metrics = None

@@ -6,7 +6,8 @@ The exchange, one msgpack map per SOCK_SEQPACKET message (fds ride with the mess
     new -> old  hello     {version, format, pool_bytes, slab_bytes, pid}
     old -> new  offer     the same fields of the old instance, or refused {reason}
     new -> old  go
-    old -> new  handover  {pages, owed}; fds: listening socket, pool memfd, index snapshot memfd
+    old -> new  handover  {pages, owed, tenant_sockets}; fds: listening socket, pool memfd, index snapshot
+                          memfd, then the tenants' listening sockets (the new instance matches them by path)
     new -> old  serving   (or abort {reason}; or nothing: the old instance then serves again)
 
 Both ends check the other's SO_PEERCRED: only the same uid, or root, takes over or is taken over from.
@@ -23,7 +24,7 @@ import socket
 import stat
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
@@ -48,7 +49,7 @@ class Daemon(Protocol):
 
     def l2_snapshot(self) -> tuple[keep.Snapshot, int]: ...
 
-    async def quiesce(self, drain_timeout: float) -> socket.socket: ...
+    async def quiesce(self, drain_timeout: float) -> list[socket.socket]: ...
 
 
 log = logging.getLogger("hicached.takeover")
@@ -56,6 +57,10 @@ log = logging.getLogger("hicached.takeover")
 VERSION = 1  # of this exchange; a change that an older instance would misread bumps it
 SUFFIX = ".takeover"  # the endpoint is the main socket's path with this suffix
 SOCKET_FDNAME = "hicached-takeover-socket"  # the listening socket's name when the old instance serves again
+# The tenants' listening sockets when the old instance serves again: fds past systemd's ($LISTEN_FDS names
+# only server.socket's, which is what socket activation covers), listed in this variable.
+TENANT_FDS_ENV = "HICACHED_TAKEOVER_TENANT_FDS"
+MAX_TENANT_SOCKETS = 128  # config.schema.MAX_TENANTS: with the 3 other fds, within SCM_RIGHTS' 253
 MAX_MESSAGE = 1 << 16
 # Bounds on the peer (no config key: these belong to the exchange, not to an operator's tuning, and
 # config/ is not to grow for them). The offer is a few map lookups: an old instance that takes longer is
@@ -154,13 +159,15 @@ async def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None 
             raise _PeerError(f"the peer went away ({e.strerror})") from None
 
 
-async def _recv(sock: socket.socket, timeout: float, want: int = 0) -> tuple[dict[str, Any], list[int]]:
-    """One message and its fds (exactly `want` of them, or _PeerError), within `timeout`."""
+async def _recv(
+    sock: socket.socket, timeout: float, want: int = 0, extra: int = 0
+) -> tuple[dict[str, Any], list[int]]:
+    """One message and its fds (`want` of them, and up to `extra` more; or _PeerError), within `timeout`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         try:
-            data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, max(want, 1))
+            data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, max(want + extra, 1))
             break
         except (BlockingIOError, InterruptedError):
             pass
@@ -171,7 +178,7 @@ async def _recv(sock: socket.socket, timeout: float, want: int = 0) -> tuple[dic
     try:
         if not data:
             raise _PeerError("the peer closed the connection")
-        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(fds) != want:
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not want <= len(fds) <= want + extra:
             raise _PeerError(f"a message came with {len(fds)} fds, not {want}, or was cut")
         try:
             msg = msgpack.unpackb(data, raw=False)
@@ -202,6 +209,7 @@ class Handed:
     pages: int
     owed: int
     done: bool = False  # confirmed or aborted
+    tenant_listen: list[socket.socket] = field(default_factory=list)  # the tenants' listening sockets
 
     async def confirm(self) -> None:
         self.done = True
@@ -246,20 +254,22 @@ async def request(socket_path: str, pool_bytes: int, slab_bytes: int) -> Handed 
             if why is not None:
                 raise TakeoverError(f"cannot take over from the daemon (pid {pid}): {why}")
             await _send(sock, {"op": "go"})
-            msg, fds = await _recv(sock, HANDOVER_S, want=3)
+            msg, fds = await _recv(sock, HANDOVER_S, want=3, extra=MAX_TENANT_SOCKETS)
         except _PeerError as e:
             raise TakeoverError(f"the daemon (pid {pid}) did not hand over: {e}") from None
         if msg["op"] != "handover":
             for fd in fds:
                 os.close(fd)
             raise TakeoverError(f"the daemon (pid {pid}) answered {msg['op']!r} instead of handing over")
-        listen = socket.socket(fileno=fds[0])
-        if listen.family != socket.AF_UNIX or listen.type != socket.SOCK_STREAM:
-            listen.close()
+        listens = [socket.socket(fileno=fd) for fd in (fds[0], *fds[3:])]
+        if any(s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM for s in listens):
+            for s in listens:
+                s.close()
             os.close(fds[1])
             os.close(fds[2])
             raise TakeoverError("the daemon handed over an fd that is not a listening Unix stream socket")
-        return Handed(sock, listen, fds[1], fds[2], pid, int(msg.get("pages", 0)), int(msg.get("owed", 0)))
+        pages, owed = int(msg.get("pages", 0)), int(msg.get("owed", 0))
+        return Handed(sock, listens[0], fds[1], fds[2], pid, pages, owed, tenant_listen=listens[1:])
     except TakeoverError as e:
         sock.close()
         raise TakeoverError(f"{e}; the running daemon serves on, this instance exits") from None
@@ -388,7 +398,8 @@ class Endpoint:
         log.info("pid %d takes over: no longer accepting; answering the requests in flight", pid)
         self.close()
         try:
-            lsock = await d.quiesce(DRAIN_S)
+            lsocks = await d.quiesce(DRAIN_S)
+            lsock = lsocks[0]
             snap, snap_fd = d.l2_snapshot()
         except Exception:
             # A bug: nothing was handed over. The new instance hears the connection close and exits; this one
@@ -401,12 +412,8 @@ class Endpoint:
         try:
             await _send(
                 conn,
-                {"op": "handover", "pages": len(snap.pages), "owed": owed},
-                [
-                    lsock.fileno(),
-                    d.pool.fd,
-                    snap_fd,
-                ],
+                {"op": "handover", "pages": len(snap.pages), "owed": owed, "tenant_sockets": len(lsocks) - 1},
+                [lsock.fileno(), d.pool.fd, snap_fd, *(s.fileno() for s in lsocks[1:])],
             )
             answer, _ = await _recv(conn, CONFIRM_S)
             if answer["op"] != "serving":
@@ -419,7 +426,7 @@ class Endpoint:
                 pid,
                 e,
             )
-            _serve_again(lsock, d.pool.fd, snap_fd)
+            _serve_again(lsocks, d.pool.fd, snap_fd)
         conn.close()
         os.close(snap_fd)
         self.handed_to = pid
@@ -433,11 +440,13 @@ class Endpoint:
         d.should_exit.set()
 
 
-def _serve_again(listen: socket.socket, pool_fd: int, index_fd: int) -> None:
+def _serve_again(listens: list[socket.socket], pool_fd: int, index_fd: int) -> None:
     """Runs this same command again in this process (exec), handing it the socket, the pool and the index
     as systemd hands kept fds to a start (LISTEN_FDS, LISTEN_FDNAMES): the start-up's own restore adopts
-    them, verifies the pages and serves them, pages owed to L3 still owed. Does not return."""
-    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) for fd in (listen.fileno(), pool_fd, index_fd)]
+    them, verifies the pages and serves them, pages owed to L3 still owed. The tenants' sockets follow them,
+    listed in $HICACHED_TAKEOVER_TENANT_FDS (passed_tenant_sockets). Does not return."""
+    kept = (listens[0].fileno(), pool_fd, index_fd, *(s.fileno() for s in listens[1:]))
+    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16 + len(kept)) for fd in kept]
     for i, fd in enumerate(fds):
         os.dup2(fd, 3 + i, inheritable=True)
     env = {
@@ -445,6 +454,26 @@ def _serve_again(listen: socket.socket, pool_fd: int, index_fd: int) -> None:
         "LISTEN_PID": str(os.getpid()),
         "LISTEN_FDS": "3",
         "LISTEN_FDNAMES": f"{SOCKET_FDNAME}:{keep.POOL_FDNAME}:{keep.INDEX_FDNAME}",
+        TENANT_FDS_ENV: ",".join(str(3 + i) for i in range(3, len(fds))),
     }
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
+
+
+def passed_tenant_sockets() -> list[socket.socket]:
+    """The tenants' listening sockets that _serve_again passed to this process (none at an ordinary start),
+    taken once: the variable leaves the environment, and the fds become close-on-exec."""
+    out = []
+    for word in filter(None, os.environ.pop(TENANT_FDS_ENV, "").split(",")):
+        try:
+            fd = int(word)
+            os.set_inheritable(fd, False)
+            sock = socket.socket(fileno=fd)
+        except (ValueError, OSError) as e:
+            log.warning("ignoring %s entry %r: %s", TENANT_FDS_ENV, word, e)
+            continue
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            sock.close()
+            continue
+        out.append(sock)
+    return out
