@@ -75,6 +75,6 @@ class TenantTable:
             "socket": t.socket,
             "uids": sorted(t.uids),
             "gids": sorted(t.gids),
-            "namespaces": list(t.patterns) if t.name != DEFAULT else ["(every namespace no tenant lists)"],
+            "patterns": list(t.patterns) if t.name != DEFAULT else ["(every namespace no tenant lists)"],
             "capacity_bytes": t.capacity,
         }
