@@ -75,6 +75,9 @@ enum {
 
 /* Bumped when a function's arguments change: file.py uses only a build of the sources it was written for. */
 #define API_VERSION 6
+/* Versions of the fence words (copy_ranges' fence, fence_*): ranges.py fences copies only with a build that
+   has them. Apart from API_VERSION, which file.py requires exactly: fences change none of its calls. */
+#define FENCE_VERSION 1
 
 #define KEY_MAX_LEN 128 /* hicached/common/keys.py */
 #define NAMESPACE_MAX_LEN 128
@@ -1320,8 +1323,99 @@ done:
     return out;
 }
 
+/* Fences. An engine hands the daemon a board (a memfd of 8-byte words, one a request in flight) and names a
+   word in each store_pages / load_pages request. Bit 63 of a word says the engine gave up on the request
+   (CANCELLED); the bits below count the daemon's copy jobs inside the engine's memory for it. A job enters
+   (count + 1) unless CANCELLED is set, copies, and leaves (count - 1); the engine sets CANCELLED and waits for
+   the count to be 0 before it uses the memory again: then no copy of the request touches it any more. The
+   engine can write anything into its own board: that can only skip or run its own copies. */
+#define FENCE_CANCELLED (UINT64_C(1) << 63)
+#define FENCE_COUNT (FENCE_CANCELLED - 1)
+
+/* 1 when the job may copy (the count taken), 0 when the request is cancelled (or a count at its bound, which
+   only a hostile engine writes: refused as cancelled). */
+static int fence_in(uint64_t *w) {
+    uint64_t cur = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+    for (;;) {
+        if ((cur & FENCE_CANCELLED) || (cur & FENCE_COUNT) == FENCE_COUNT) return 0;
+        if (__atomic_compare_exchange_n(w, &cur, cur + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return 1;
+    }
+}
+
+/* The job left: count - 1, CANCELLED kept; never below 0 (an engine that zeroed its word meanwhile). */
+static void fence_out(uint64_t *w) {
+    uint64_t cur = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+    for (;;) {
+        if ((cur & FENCE_COUNT) == 0) return;
+        if (__atomic_compare_exchange_n(w, &cur, cur - 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return;
+    }
+}
+
+/* The word `slot` of a board (a writable buffer of 8-byte words, 8-byte aligned), or NULL with an exception. */
+static uint64_t *fence_word(Py_buffer *b, Py_ssize_t slot) {
+    if (b->readonly) {
+        PyErr_SetString(PyExc_ValueError, "a fence board must be writable");
+        return NULL;
+    }
+    if ((uintptr_t)b->buf % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "a fence board must be 8-byte aligned");
+        return NULL;
+    }
+    if (slot < 0 || slot >= b->len / 8) {
+        PyErr_Format(PyExc_IndexError, "fence slot %zd is outside a board of %zd slots", slot, b->len / 8);
+        return NULL;
+    }
+    return (uint64_t *)b->buf + slot;
+}
+
+typedef enum { FENCE_OP_CANCEL, FENCE_OP_COUNT, FENCE_OP_ENTER, FENCE_OP_EXIT } FenceOp;
+
+static PyObject *fence_call(PyObject *args, FenceOp op) {
+    Py_buffer b = {0};
+    Py_ssize_t slot;
+    if (!PyArg_ParseTuple(args, "w*n", &b, &slot)) return NULL;
+    PyObject *out = NULL;
+    uint64_t *w = fence_word(&b, slot);
+    if (w != NULL) {
+        switch (op) {
+        case FENCE_OP_CANCEL:
+            out = PyLong_FromUnsignedLongLong(__atomic_fetch_or(w, FENCE_CANCELLED, __ATOMIC_SEQ_CST) & FENCE_COUNT);
+            break;
+        case FENCE_OP_COUNT:
+            out = PyLong_FromUnsignedLongLong(__atomic_load_n(w, __ATOMIC_SEQ_CST) & FENCE_COUNT);
+            break;
+        case FENCE_OP_ENTER:
+            out = PyBool_FromLong(fence_in(w));
+            break;
+        case FENCE_OP_EXIT:
+            fence_out(w);
+            out = Py_NewRef(Py_None);
+            break;
+        }
+    }
+    PyBuffer_Release(&b);
+    return out;
+}
+
+PyDoc_STRVAR(fence_cancel_doc, "fence_cancel(board, slot) -> int\n\n"
+                               "Sets the slot's CANCELLED bit (atomically); returns the count of copy jobs that were\n"
+                               "inside the memory for it then (0: none is, and none will enter).");
+static PyObject *fence_cancel(PyObject *self, PyObject *args) { return fence_call(args, FENCE_OP_CANCEL); }
+
+PyDoc_STRVAR(fence_count_doc, "fence_count(board, slot) -> int\n\nThe count of copy jobs inside the memory for the slot.");
+static PyObject *fence_count(PyObject *self, PyObject *args) { return fence_call(args, FENCE_OP_COUNT); }
+
+PyDoc_STRVAR(fence_enter_doc, "fence_enter(board, slot) -> bool\n\n"
+                              "What a copy job does first (copy_ranges with a fence): count itself in, unless the slot\n"
+                              "is cancelled (False).");
+static PyObject *fence_enter(PyObject *self, PyObject *args) { return fence_call(args, FENCE_OP_ENTER); }
+
+PyDoc_STRVAR(fence_exit_doc, "fence_exit(board, slot) -> None\n\nWhat a copy job does last: count itself out.");
+static PyObject *fence_exit(PyObject *self, PyObject *args) { return fence_call(args, FENCE_OP_EXIT); }
+
 PyDoc_STRVAR(copy_ranges_doc,
-             "copy_ranges(pool, region, pool_off, region_off, length, to_pool[, page_bytes, sums, guard]) -> None\n\n"
+             "copy_ranges(pool, region, pool_off, region_off, length, to_pool[, page_bytes, sums, guard, fence,\n"
+             "            fence_slot]) -> None | bool\n\n"
              "Copies byte ranges between `region` and `pool` (into the pool with to_pool): range i is\n"
              "region[region_off[i]:+length[i]] <-> pool[pool_off[i]:+length[i]]. The three are int64 arrays\n"
              "of one length (hicached.common.geometry.Plan). Every range is checked against both buffers before\n"
@@ -1335,7 +1429,10 @@ PyDoc_STRVAR(copy_ranges_doc,
              "whose file shrinks meanwhile: a fault (SIGBUS) inside it ends the copy, which raises\n"
              "RegionShrunk (an OSError, errno EFAULT) instead of killing the process; whatever of the ranges\n"
              "was copied by then is undefined. RuntimeError when another SIGBUS handler was installed in\n"
-             "front of the guard's since its first use (a fault would reach that one first).");
+             "front of the guard's since its first use (a fault would reach that one first).\n"
+             "With `fence` (a fence board: a writable buffer of uint64 words, see fence_cancel) and `fence_slot`,\n"
+             "the copy enters the slot first (its count + 1, atomically, with the GIL released) and leaves it\n"
+             "after its last store; if the slot is cancelled, nothing is copied. Returns then whether it copied.");
 
 static int int64_array(Py_buffer *b, const char *what, Py_ssize_t *n) {
     if (b->len % 8 != 0 || (b->itemsize != 8 && b->itemsize != 1)) {
@@ -1562,15 +1659,20 @@ static int ranges_copy_guarded(const Ranges *c, Guard *g, int *bad) {
 }
 
 static PyObject *copy_ranges(PyObject *self, PyObject *args) {
-    PyObject *pool_obj, *region_obj, *sums_obj = Py_None;
-    Py_buffer pool = {0}, region = {0}, po = {0}, ro = {0}, ln = {0}, sums = {0};
-    Py_ssize_t page_bytes = 0;
+    PyObject *pool_obj, *region_obj, *sums_obj = Py_None, *fence_obj = Py_None;
+    Py_buffer pool = {0}, region = {0}, po = {0}, ro = {0}, ln = {0}, sums = {0}, fence = {0};
+    Py_ssize_t page_bytes = 0, fence_slot = 0;
     int to_pool, guard = 0;
-    if (!PyArg_ParseTuple(args, "OOy*y*y*p|nOp", &pool_obj, &region_obj, &po, &ro, &ln, &to_pool, &page_bytes,
-                          &sums_obj, &guard))
+    if (!PyArg_ParseTuple(args, "OOy*y*y*p|nOpOn", &pool_obj, &region_obj, &po, &ro, &ln, &to_pool, &page_bytes,
+                          &sums_obj, &guard, &fence_obj, &fence_slot))
         return NULL;
     PyObject *out = NULL;
     Py_ssize_t n = -1;
+    uint64_t *fence_w = NULL;
+    if (fence_obj != Py_None) {
+        if (PyObject_GetBuffer(fence_obj, &fence, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if ((fence_w = fence_word(&fence, fence_slot)) == NULL) goto done;
+    }
     if (int64_array(&po, "pool_off", &n) < 0 || int64_array(&ro, "region_off", &n) < 0 ||
         int64_array(&ln, "length", &n) < 0)
         goto done;
@@ -1603,9 +1705,11 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
     Ranges c = {fn, pool.buf, region.buf, pool_off, region_off, length, n, to_pool, (size_t)page_bytes,
                 sums.obj != NULL ? sums.buf : NULL, sums.len / 8};
     Guard g = {.fault = NULL, .armed = 0};
-    int bad = 0, faulted = 0, no_slot = 0;
+    int bad = 0, faulted = 0, no_slot = 0, entered = 1;
     Py_BEGIN_ALLOW_THREADS
-    if (!guard) {
+    if (fence_w != NULL && !(entered = fence_in(fence_w))) {
+        /* cancelled: the engine may have given the memory back; not a byte is touched */
+    } else if (!guard) {
         bad = ranges_copy(&c);
     } else {
         uintptr_t lo = (uintptr_t)region.buf, hi = lo + (uintptr_t)region.len;
@@ -1619,7 +1723,8 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
             guard_release(slot);
         }
     }
-    if (fn != NULL) stream_fence(); /* after a fault too: the stores made before it */
+    if (fn != NULL && entered) stream_fence(); /* after a fault too: the stores made before it */
+    if (fence_w != NULL && entered) fence_out(fence_w); /* after the last store, fault or not */
     Py_END_ALLOW_THREADS
     if (no_slot) {
         PyErr_Format(PyExc_RuntimeError, "more than %d threads in guarded copies at once", GUARD_SLOTS);
@@ -1641,9 +1746,9 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "the ranges do not make %zd whole pages of %zd bytes", sums.len / 8, page_bytes);
         goto done;
     }
-    out = Py_None;
-    Py_INCREF(out);
+    out = fence_w != NULL ? PyBool_FromLong(entered) : Py_NewRef(Py_None);
 done:
+    if (fence.obj != NULL) PyBuffer_Release(&fence);
     if (pool.obj != NULL) PyBuffer_Release(&pool);
     if (region.obj != NULL) PyBuffer_Release(&region);
     if (sums.obj != NULL) PyBuffer_Release(&sums);
@@ -1659,6 +1764,10 @@ static PyMethodDef methods[] = {
     {"copy_pages", copy_pages, METH_VARARGS, copy_pages_doc},
     {"stream_impl", stream_impl, METH_VARARGS, stream_impl_doc},
     {"copy_ranges", copy_ranges, METH_VARARGS, copy_ranges_doc},
+    {"fence_cancel", fence_cancel, METH_VARARGS, fence_cancel_doc},
+    {"fence_count", fence_count, METH_VARARGS, fence_count_doc},
+    {"fence_enter", fence_enter, METH_VARARGS, fence_enter_doc},
+    {"fence_exit", fence_exit, METH_VARARGS, fence_exit_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1698,6 +1807,7 @@ PyMODINIT_FUNC PyInit__pageio(void) {
         PyModule_AddIntConstant(m, "BAD_KEY", RESULT_BAD_KEY) < 0 || PyModule_AddIntConstant(m, "API", API_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "CHANGED", RESULT_CHANGED) < 0 ||
         PyModule_AddIntConstant(m, "NOT_PAGE", RESULT_NOT_PAGE) < 0 ||
+        PyModule_AddIntConstant(m, "FENCES", FENCE_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "KEY_MAX_LEN", KEY_MAX_LEN) < 0 ||
         PyModule_AddIntConstant(m, "NAMESPACE_MAX_LEN", NAMESPACE_MAX_LEN) < 0) {
         Py_DECREF(m);

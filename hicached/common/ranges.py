@@ -22,10 +22,13 @@ try:  # the compiled part (setup.py); without it, ranges are copied with numpy
     # Guarded copies (a fault in a region whose file shrank raises this instead of killing the process)
     # where the build has them.
     RegionShrunk: type[Exception] | None = getattr(_pageio, "RegionShrunk", None)
+    # Fenced copies (hicached.common.fence) where the build has them.
+    COPY_FENCES = getattr(_pageio, "FENCES", 0) >= 1
 except ImportError:
     _copy_ranges = None
     COPY_HASHES = False
     RegionShrunk = None
+    COPY_FENCES = False
 
 # Without the C module: ranges this small cost more in Python (a slice and a call each, ~1.5 us) than in
 # memcpy: when there are many of one length (per-layer slices), they move with one numpy gather and one
@@ -47,32 +50,39 @@ def copy_ranges(
     to_pool: bool,
     sums: tuple[int, np.ndarray] | None = None,
     guard: bool = False,
-) -> None:
+    fence: tuple[Any, int] | None = None,
+) -> bool:
     """Copy the plan's ranges between `pool` and `region` (1-D uint8 arrays), blocking: in one C call with
     the GIL released where hicached.common._pageio is built (streaming stores into the pool, ~20 ns a
     range), else with numpy. With `sums` (page_bytes, a uint64 array of one item a page), the plan is of
     whole pages, page-major, and each page's xxh3-64 is taken as it is copied (in C, from the source while
     it is in the cache) or right after (numpy path, from the slots). With `guard`, `region` is memory that
     may shrink meanwhile: a fault in it raises RegionShrunk (C only: RuntimeError where copies cannot be
-    guarded)."""
+    guarded). With `fence` (a board and a slot, hicached.common.fence), the copy counts itself in and out of
+    the slot, and copies nothing if the engine cancelled it (C only). Returns whether it copied."""
     if guard and not can_guard():
         raise RuntimeError("this build cannot guard copies (hicached.common._pageio is not built)")
+    if fence is not None and not COPY_FENCES:
+        raise RuntimeError("this build cannot fence copies (hicached.common._pageio is not built, or older)")
     if _copy_ranges is not None:
         args: list[Any] = [pool, region]
         args += (np.ascontiguousarray(a, dtype=np.int64) for a in (p.pool_off, p.region_off, p.length))
         args.append(to_pool)
         hashed = sums is not None and COPY_HASHES
-        if hashed or guard:
+        if hashed or guard or fence is not None:
             args += sums if hashed else (0, None)
-        if guard:
-            args.append(True)  # only then: a build without guards takes no such argument
-        _copy_ranges(*args)
-        if sums is not None and not hashed:
+        if guard or fence is not None:
+            args.append(guard)  # only then: a build without guards takes no such argument
+        if fence is not None:
+            args += fence
+        copied = _copy_ranges(*args) is not False
+        if sums is not None and not hashed and copied:
             hash_pages(pool, p, *sums)
-        return
+        return copied
     _copy_ranges_numpy(pool, region, p, to_pool)
     if sums is not None:
         hash_pages(pool, p, *sums)
+    return True
 
 
 def hash_pages(pool: np.ndarray, p: Plan, page_bytes: int, sums: np.ndarray) -> None:

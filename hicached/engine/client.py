@@ -250,6 +250,7 @@ class _Wire:
 
     def _send(self, req: dict[str, Any], held: list[bytes]) -> int:
         """Registers `req` and sends it with the frames held before it, or holds it too (_held)."""
+        self.ops._fence_request(req)
         rid = next(self._ids)
         req["id"] = rid
         held.append(protocol.encode(req))
@@ -281,17 +282,27 @@ class _Wire:
             return protocol.raise_for_error(answer)
         finally:
             follow = None
+            fenced = False
             with self._cv:
                 self._waiting.discard(rid)
                 req = self._sent.pop(rid, None)
                 late = self._results.pop(rid, None)
-                if not answered and req is not None and not self.broken:
-                    if late is not None:  # answered just as we gave up
-                        follow = self.ops._orphaned(req, late)
-                    else:
+                if req is None:
+                    pass
+                elif answered or (late is not None and self.broken):
+                    self.ops._fence_answered(req)
+                elif late is not None:  # answered just as we gave up
+                    follow = self.ops._orphaned(req, late)
+                else:
+                    fenced = self.ops._fence_hold(req)
+                    if not self.broken:
                         self._orphans[rid] = req
             if follow is not None:
                 self._send_follow([follow])
+            if fenced:
+                # No answer we read, and the daemon may still copy for the request: cancel it, and let the
+                # caller give the memory back only once no copy of it touches that (no time bound).
+                self.ops._fence_settle(req)
 
     def _send_follow(self, reqs: list[dict[str, Any]]) -> None:
         """Sends requests that give back what orphaned answers held; nobody waits for their answers."""
@@ -431,7 +442,7 @@ class Client:
         sock, welcome, fd = _connect(self._path, self.timeout)
         try:
             sock.settimeout(None)
-            ops._attach(welcome, fd)
+            ops._attach(welcome, fd, sock)
         except BaseException:
             sock.close()
             raise
@@ -657,11 +668,15 @@ class Client:
             retry=True,
         )
 
-    def load_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> int:
+    def load_pages(
+        self, handle: int, page_indices: Sequence[int], keys: Sequence[str], fetch: bool = True
+    ) -> int:
         """The daemon fills pages `page_indices` of the region with the leading hits of `keys` (retried as
-        load)."""
+        load); with `fetch` False, of what L2 holds only (no L3 read)."""
         return self._call(
-            lambda w: w.ops.op_load_pages(self._regions.daemon_handle(handle, w.gen), page_indices, keys),
+            lambda w: w.ops.op_load_pages(
+                self._regions.daemon_handle(handle, w.gen), page_indices, keys, fetch
+            ),
             retry=True,
         )
 
@@ -815,7 +830,7 @@ class AsyncClient:
             fut.add_done_callback(_close_connected)
             raise
         try:
-            ops._attach(welcome, fd)
+            ops._attach(welcome, fd, sock)
             sock.setblocking(False)
             _, proto = await loop.create_unix_connection(_AsyncProtocol, sock=sock)
         except BaseException:
@@ -1036,9 +1051,13 @@ class AsyncClient:
             retry=True,
         )
 
-    async def load_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> int:
+    async def load_pages(
+        self, handle: int, page_indices: Sequence[int], keys: Sequence[str], fetch: bool = True
+    ) -> int:
         return await self._call(
-            lambda w: w.ops.op_load_pages(self._regions.daemon_handle(handle, w.gen), page_indices, keys),
+            lambda w: w.ops.op_load_pages(
+                self._regions.daemon_handle(handle, w.gen), page_indices, keys, fetch
+            ),
             retry=True,
         )
 
@@ -1093,6 +1112,7 @@ class AsyncClient:
                 proto.transport.write(b"".join(held))
                 held.clear()
             return await self._collect(wire, *req.ticket)
+        wire.ops._fence_request(req)
         rid = next(self._ids)
         req["id"] = rid
         held.append(protocol.encode(req))
@@ -1121,11 +1141,20 @@ class AsyncClient:
         finally:
             proto = wire.proto
             proto.waiters.pop(rid, None)
-            if not answered and not proto.broken:
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    self._orphan_answer(wire, req, fut.result())  # answered just as we gave up
-                elif not fut.done() or fut.cancelled():
+            late = fut.done() and not fut.cancelled() and fut.exception() is None
+            fenced = False
+            if answered or (late and proto.broken):
+                wire.ops._fence_answered(req)
+            elif late:
+                self._orphan_answer(wire, req, fut.result())  # answered just as we gave up
+            else:
+                fenced = wire.ops._fence_hold(req)
+                if not proto.broken:
                     proto.orphans[rid] = req
+            if fenced:
+                # Client._collect: no answer we read; the memory is the caller's again only once no copy of
+                # the request touches it. Not cut short by a cancellation of the caller (raised after).
+                await wire.ops._fence_settle_async(req)
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:

@@ -19,6 +19,7 @@ from hicached.common import protocol
 from hicached.common.errors import BAD_REQUEST, CONNECTION, NOT_FOUND, HicachedError
 from hicached.common.geometry import check_pages
 from hicached.common.keys import check_namespace
+from hicached.engine.fences import DaemonProcess
 from hicached.engine.local import LocalRegion, RegionPage
 from hicached.engine.regions import RegionOps, _indices
 
@@ -137,8 +138,12 @@ class _Ops(RegionOps):
         # ahead are freed on its side and may already belong to another page, so they are never written.
         self.peer_closed: Callable[[], bool] = lambda: False
 
-    def _attach(self, welcome: dict[str, Any], fd: int) -> None:
+    def _attach(self, welcome: dict[str, Any], fd: int, sock: Any = None) -> None:
+        """Maps the pool from the welcome; with `sock`, the connection's socket, watches the daemon process
+        that accepted it (fences: hicached.engine.fences)."""
         self.token = welcome.get("token", "")
+        if sock is not None:
+            self.daemon = DaemonProcess(sock, welcome.get("pid"))
         try:
             size = welcome["pool_bytes"]
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -442,6 +447,7 @@ class _Ops(RegionOps):
         """An answer that came after its caller stopped waiting for it (a time-out, a cancelled task): gives
         back what it holds. Returns the request (sent without waiting for its answer) that frees it on the
         daemon's side, if one is needed: else a lease or slots stay taken until the connection closes."""
+        self._fence_answered(req)  # an answer, whatever it says: the request's copies are over
         if not isinstance(ans, dict) or ans.get("error") is not None:
             return None
         op = req.get("op")
@@ -464,11 +470,15 @@ class _Ops(RegionOps):
         dsts = [_as_bytes_array(b, self.page_bytes, True, f"buffer {i}") for i, b in enumerate(buffers)]
         return (yield from self._load(keys, dsts))
 
-    def _load(self, keys: Sequence[str], dsts: list[Any]) -> Op:
-        """The load into checked buffers (byte arrays, or RegionPage of one local region)."""
+    def _load(self, keys: Sequence[str], dsts: list[Any], fetch: bool = True) -> Op:
+        """The load into checked buffers (byte arrays, or RegionPage of one local region); without `fetch`,
+        of what L2 holds only."""
         if not keys:
             return 0
-        ans = yield {"op": "acquire", "keys": list(keys)}
+        req = {"op": "acquire", "keys": list(keys)}
+        if not fetch:
+            req["fetch"] = False
+        ans = yield req
         offsets = ans["offsets"]
         if not offsets:
             return 0
@@ -525,10 +535,11 @@ class _Ops(RegionOps):
             return (yield from self._store(list(keys), srcs)) if keys else []
         return (yield from super().op_store_pages(handle, page_indices, keys))
 
-    def op_load_pages(self, handle: int, page_indices: Any, keys: Sequence[str]) -> Op:
+    def op_load_pages(self, handle: int, page_indices: Any, keys: Sequence[str], fetch: bool = True) -> Op:
         if isinstance(handle, int) and handle < 0:
-            return (yield from self._load(keys, self._local_pages(handle, page_indices, keys, unique=True)))
-        return (yield from super().op_load_pages(handle, page_indices, keys))
+            dsts = self._local_pages(handle, page_indices, keys, unique=True)
+            return (yield from self._load(keys, dsts, fetch))
+        return (yield from super().op_load_pages(handle, page_indices, keys, fetch))
 
     def op_prefetch(self, keys: Sequence[str], priority: int) -> Op:
         return (yield {"op": "prefetch", "keys": list(keys), "priority": int(priority)})["handle"]

@@ -1,7 +1,9 @@
 """Engine-side memory regions: `shared_buffer` (a uint8 tensor over a new sealed memfd), describing a
 tensor or an fd as a `region_attach` request, the side connection that passes a memfd to the daemon, the
 region operations, written once (as generators, like the rest of `_Ops`) for both clients, and the book of
-registered regions that a client registers again after a reconnect."""
+registered regions that a client registers again after a reconnect, and the fences of a connection's region
+requests (hicached.engine.fences): its board is registered with its first host region, and each
+store_pages / load_pages of a host region names a slot of it."""
 
 from __future__ import annotations
 
@@ -15,15 +17,19 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hicached.common import protocol
+from hicached.common import fence, protocol
 from hicached.common.errors import BAD_REQUEST, CONNECTION, NOT_FOUND, TIMEOUT, HicachedError
 from hicached.common.geometry import default_num_pages
 from hicached.common.memfd import SEALS, map_memfd
+from hicached.engine.fences import Board, DaemonProcess, settle, settle_async, unfenced_once
 
 Op = Generator[dict[str, Any], dict[str, Any] | None, Any]
 
 CUDA_IPC_VERSION = 1
 _MAX_ANSWER = 1 << 20
+FENCED_OPS = ("store_pages", "load_pages")
+# Set to False (tests) to send region requests without fences, as a client without the C module does.
+USE_FENCES = True
 
 # Buffers made by shared_buffer: base address -> (memfd, size). An entry lives as long as the mapping,
 # which lives as long as any tensor over it; register_region finds a tensor's memfd here.
@@ -212,17 +218,28 @@ def _indices(values: Any) -> list[int]:
     return out
 
 
+def _is_cuda(memory: Any) -> bool:
+    return bool(getattr(memory, "is_cuda", False))
+
+
 class RegionOps:
-    """The region operations of `_Ops`: no I/O. Needs `token` (from the welcome) and `regions` (handle ->
-    the memory the client keeps alive while the daemon uses it)."""
+    """The region operations of `_Ops`: no I/O. Needs `token` (from the welcome), `regions` (handle ->
+    the memory the client keeps alive while the daemon uses it), and for fences `daemon` (the process the
+    connection's requests go to) and `fences` (its board, made with its first host region)."""
 
     token: str
     regions: dict[int, Any]
+    daemon: DaemonProcess | None = None
+    fences: Board | None = None
+    _fences_refused: bool = False
+    _fences_lock = threading.Lock()  # one board a connection, when threads register regions at once (rare)
 
     def op_register_region(
         self, memory: Any, page_bytes: int, segments: Sequence[Sequence[int]] | None, num_pages: int | None
     ) -> Op:
         fields, fd = describe(memory, page_bytes, segments, num_pages)
+        if fd is not None:
+            yield from self._register_board()
         if fd is None:
             try:
                 ans = yield {"op": "region_attach", **fields}
@@ -245,6 +262,87 @@ class RegionOps:
         finally:
             self.regions.pop(handle, None)
 
+    # Fences (hicached.engine.fences).
+
+    def _register_board(self) -> Op:
+        """Hands the connection's fence board to the daemon, once (again after an answer that did not come:
+        the daemon maps the same memfd in place of the first). A daemon that refuses it (older, or without
+        the C module) gets requests without fences, as does a client without the C module."""
+        if self._fences_refused or not USE_FENCES:
+            return
+        if self.daemon is None or not fence.AVAILABLE:
+            self._fences_refused = True
+            unfenced_once(
+                "hicached.common._pageio is not built, or older" if not fence.AVAILABLE else "no daemon"
+            )
+            return
+        with self._fences_lock:
+            if self.fences is None:
+                self.fences = Board()
+            board = self.fences
+        if board.registered:
+            return
+        req = SideAttach(op="region_attach", kind=fence.KIND, token=self.token, slots=board.slots)
+        req.fd = board.fd
+        try:
+            yield req
+        except HicachedError as e:
+            if e.code in (CONNECTION, TIMEOUT):
+                raise
+            self._fences_refused = True
+            unfenced_once(f"the daemon refused the fence board: {e.message}")
+            return
+        board.registered = True
+
+    def _fence_request(self, req: dict[str, Any]) -> None:
+        """Names a free slot of the board in a store_pages / load_pages of a host region (drivers call it
+        before they send any request); busy when every slot is taken."""
+        board = self.fences
+        if board is None or not board.registered or req.get("op") not in FENCED_OPS or "fence" in req:
+            return
+        handle = req.get("handle")
+        memory = self.regions.get(handle) if isinstance(handle, int) else None
+        if memory is None or _is_cuda(memory):
+            return  # CUDA copies take no fence (hicached.daemon.regions.copier)
+        req["fence"] = board.take()
+
+    def _fence_answered(self, req: dict[str, Any]) -> None:
+        """The request's answer came (whatever it says): its copies are over, its slot is free again."""
+        slot = req.get("fence")
+        if slot is not None and self.fences is not None:
+            self.fences.free(slot)
+
+    def _fence_what(self, req: dict[str, Any]) -> str:
+        return f"a {req.get('op')} of {len(req.get('keys', ()))} pages gave up on its answer"
+
+    def _fence_hold(self, req: dict[str, Any]) -> bool:
+        """Whether the request is fenced; if so, its slot is held for _fence_settle, which the driver calls
+        next. Called before the request is left to a late answer (which frees the slot only once the settle
+        is over: else a new request could take the slot, and the settle cancel that one)."""
+        slot = req.get("fence")
+        if slot is None or self.fences is None:
+            return False
+        self.fences.hold(slot)
+        return True
+
+    def _fence_settle(self, req: dict[str, Any]) -> None:
+        """Blocking: the request will get no answer the caller reads (its time-out, a broken connection):
+        cancels it and returns once no copy of it touches the engine's memory (hicached.engine.fences.settle;
+        no time bound). Its slot stays taken: a late answer frees it (_fence_answered)."""
+        slot, board = req["fence"], self.fences
+        try:
+            settle(board, slot, self.daemon, self._fence_what(req))
+        finally:
+            board.unhold(slot)
+
+    async def _fence_settle_async(self, req: dict[str, Any]) -> None:
+        """_fence_settle on an event loop."""
+        slot, board = req["fence"], self.fences
+        try:
+            await settle_async(board, slot, self.daemon, self._fence_what(req))
+        finally:
+            board.unhold(slot)
+
     def op_store_pages(self, handle: int, page_indices: Any, keys: Sequence[str]) -> Op:
         keys, pages = list(keys), _indices(page_indices)
         if len(keys) != len(pages):
@@ -254,13 +352,15 @@ class RegionOps:
         req = {"op": "store_pages", "handle": operator.index(handle), "page_indices": pages, "keys": keys}
         return (yield req)["ok"]
 
-    def op_load_pages(self, handle: int, page_indices: Any, keys: Sequence[str]) -> Op:
+    def op_load_pages(self, handle: int, page_indices: Any, keys: Sequence[str], fetch: bool = True) -> Op:
         keys, pages = list(keys), _indices(page_indices)
         if len(keys) != len(pages):
             raise HicachedError(BAD_REQUEST, f"{len(pages)} page indices but {len(keys)} keys")
         if not keys:
             return 0
         req = {"op": "load_pages", "handle": operator.index(handle), "page_indices": pages, "keys": keys}
+        if not fetch:
+            req["fetch"] = False  # lease only what L2 holds: no L3 read
         return (yield req)["n"]
 
 

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 from hicached.common.errors import CONNECTION, COPY_FAILED, NOT_FOUND, TIMEOUT, HicachedError
 from hicached.engine.client import Client, control
-from hicached.engine.ops import Op
 from hicached.engine.vllm_rows import RegionFile, daemon_keys, daemon_pages, namespace, row_parts
 
 logger = logging.getLogger("hicached.engine.vllm")
@@ -43,19 +42,6 @@ class Conn:
 
     def pages(self, chunk_ids: Any) -> list[int]:
         return daemon_pages(chunk_ids, self.parts)
-
-
-def _load_op(handle: int, pages: list[int], keys: list[str], fetch: bool) -> Op:
-    """load_pages with the daemon's `fetch` flag: False leases only what L2 holds (no L3 read)."""
-    req = {"op": "load_pages", "handle": handle, "page_indices": pages, "keys": keys, "fetch": fetch}
-    return (yield req)["n"]
-
-
-def load_pages(client: Client, handle: int, pages: list[int], keys: list[str], fetch: bool) -> int:
-    """Client.load_pages, with the daemon's `fetch` flag (which Client.load_pages does not pass)."""
-    return client._call(
-        lambda w: _load_op(client._regions.daemon_handle(handle, w.gen), pages, keys, fetch), retry=False
-    )
 
 
 class Daemon:
@@ -265,7 +251,7 @@ class Daemon:
         n = 0
         for i in range(0, len(names), MAX_KEYS):
             batch = names[i : i + MAX_KEYS]
-            got = load_pages(conn.client, conn.handle, pages[i : i + MAX_KEYS], batch, fetch)
+            got = conn.client.load_pages(conn.handle, pages[i : i + MAX_KEYS], batch, fetch=fetch)
             n += got
             if got < len(batch):
                 break

@@ -6,6 +6,11 @@ bounded pool of threads, in one C call a job (hicached.common._pageio.copy_range
 of memory that is gone); CUDA regions by one thread per device that owns a CUDA stream
 (`hicached.daemon.regions.cuda`). Every job is timed from start to end (`hicached.daemon.regions.jobs`), so
 the daemon's watchdog can tell a copy that hangs from one that is merely busy.
+
+A host copy may be fenced (hicached.common.fence): each of its jobs counts itself in and out of the engine's
+fence word in the same C call as the copy, and copies nothing once the engine has cancelled the request.
+CUDA copies are not fenced: their jobs run in hicached.daemon.regions.cuda, which takes no fence, and the
+daemon refuses a fence for a CUDA region rather than promise what it does not do.
 """
 
 from __future__ import annotations
@@ -76,12 +81,20 @@ class Copier:
             return self._cuda
 
     def copy(
-        self, region: Any, to_pool: bool, geom: Geometry, pages: list[int], slots: list[int]
+        self,
+        region: Any,
+        to_pool: bool,
+        geom: Geometry,
+        pages: list[int],
+        slots: list[int],
+        fence: tuple[Any, int] | None = None,
     ) -> asyncio.Future[list[int] | None]:
         """Copy pages `pages` of `region` into (or, with to_pool False, out of) the slots at `slots`. Into
         the pool, the future's result is each page's checksum (xxh3-64, as a page header keeps it), taken
         as it is copied: what the page's bytes must hash to from the moment it enters L2. A host region
-        that `may_shrink` is copied guarded: if its memory is gone, the future fails with RegionGone."""
+        that `may_shrink` is copied guarded: if its memory is gone, the future fails with RegionGone. With
+        `fence` (a host region's: the engine's board and slot), a job that finds the request cancelled
+        copies nothing, and the future fails with CopyCancelled once every job has ended."""
         loop = asyncio.get_running_loop()
         self.requests += 1
         if region.kind == "cuda":
@@ -94,7 +107,9 @@ class Copier:
             if not jobs:
                 batch.future.set_result(None)
             for job in jobs:
-                self._host.submit(self._host_job, batch, region.array, False, job, None, region.may_shrink)
+                self._host.submit(
+                    self._host_job, batch, region.array, False, job, None, region.may_shrink, fence
+                )
             return batch.future
         # Into the pool: whole pages a job, so that each job takes its pages' checksums as it copies them.
         n = len(pages)
@@ -105,7 +120,9 @@ class Copier:
         for cut in cuts:
             job = plan(geom, pages[cut], slots[cut])
             job_sums = (geom.page_bytes, sums[cut])
-            self._host.submit(self._host_job, batch, region.array, True, job, job_sums, region.may_shrink)
+            self._host.submit(
+                self._host_job, batch, region.array, True, job, job_sums, region.may_shrink, fence
+            )
         out: asyncio.Future[list[int] | None] = loop.create_future()
         batch.future.add_done_callback(lambda f: _settle(out, f, sums))
         return out
@@ -153,23 +170,25 @@ class Copier:
         p: Plan,
         sums: tuple[int, np.ndarray] | None = None,
         guard: bool = False,
+        fence: tuple[Any, int] | None = None,
     ) -> None:
         """On a copy thread."""
         pool = self._pool_arr
         jid = self.tracker.start()
         error = gone = None
+        copied = True
         try:
             if pool is None:
                 raise RuntimeError("the copier is closed")
-            copy_ranges(pool, region, p, to_pool, sums, guard)
+            copied = copy_ranges(pool, region, p, to_pool, sums, guard, fence) is not False
         except Exception as e:
             # A string, not the exception: its traceback would keep views of the region alive, and the
             # region could not be unmapped.
             error = f"{type(e).__name__}: {e}"
             if RegionShrunk is not None and isinstance(e, RegionShrunk):
                 gone = e.strerror
-        self.tracker.end(jid, p.nbytes, error is None)
-        batch.job_done(error, gone)
+        self.tracker.end(jid, p.nbytes if copied else 0, error is None)
+        batch.job_done(error, gone, not copied)
 
     def release(self, region: Any) -> None:
         """Let go of a region's device memory (CUDA) once no copy uses it."""

@@ -1,6 +1,7 @@
 """Copy jobs as both copy executors (host threads, CUDA streams) run them: a request's batch of jobs, whose
 future completes on the event loop once every job has ended, the tracker of running jobs that the
-daemon's watchdog reads, and the error of a copy that found its region's memory gone."""
+daemon's watchdog reads, and the errors of a copy that found its region's memory gone or its request
+cancelled by the engine (its fence)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ class RegionGone(HicachedError):
 
     def __init__(self, message: str) -> None:
         super().__init__(COPY_FAILED, message)
+
+
+class CopyCancelled(HicachedError):
+    """The engine cancelled the request (its fence, hicached.common.fence) before some of its copy jobs
+    entered its memory: those copied nothing, so the request failed as a whole (a store commits nothing).
+    Nobody reads the answer: the engine gave up on it."""
+
+    def __init__(self, jobs: int) -> None:
+        super().__init__(COPY_FAILED, f"copy cancelled by the engine ({jobs} copy jobs skipped)")
+        self.jobs = jobs
 
 
 class Tracker:
@@ -76,19 +87,24 @@ class Batch:
         self.remaining = parts
         self.error: str | None = None
         self.gone: str | None = None
+        self.cancelled = 0  # jobs that found the request cancelled (its fence) and copied nothing
 
-    def job_done(self, error: str | None, gone: str | None = None) -> None:
-        """From any thread. `gone`: the job found the region's memory gone (the error says how)."""
-        call_on_loop(self.loop, self._done, error, gone)
+    def job_done(self, error: str | None, gone: str | None = None, cancelled: bool = False) -> None:
+        """From any thread. `gone`: the job found the region's memory gone (the error says how).
+        `cancelled`: it found the request cancelled by the engine, and copied nothing."""
+        call_on_loop(self.loop, self._done, error, gone, cancelled)
 
-    def _done(self, error: str | None, gone: str | None) -> None:
+    def _done(self, error: str | None, gone: str | None, cancelled: bool = False) -> None:
         self.remaining -= 1
         self.error = self.error or error
         self.gone = self.gone or gone
+        self.cancelled += cancelled
         if self.remaining == 0 and not self.future.done():
             if self.gone:
                 self.future.set_exception(RegionGone(f"copy failed: {self.gone}"))
             elif self.error:
                 self.future.set_exception(HicachedError(COPY_FAILED, f"copy failed: {self.error}"))
+            elif self.cancelled:
+                self.future.set_exception(CopyCancelled(self.cancelled))
             else:
                 self.future.set_result(None)

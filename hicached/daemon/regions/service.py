@@ -10,6 +10,13 @@ A store is `Tiers.alloc` -> copy region -> slots -> `Tiers.commit` (abort on a f
 `Tiers.acquire` (reading L3 as needed) -> copy slots -> region -> `Tiers.release`: leases, backups and
 prefetch keep one implementation. A copy cannot be stopped once a thread runs it, so the slots, leases and
 mappings a copy uses are only given back after it ended, even when its connection closed meanwhile.
+
+Fences (hicached.common.fence): a connection may register a fence board (`region_attach` with kind
+"fence", its memfd on a side connection as a host region's), and name a word of it in each store_pages /
+load_pages of a host region (`fence: <slot>`). Each copy job counts itself in and out of that word, and
+copies nothing once the engine has cancelled the request (it gave up on the answer and will reuse its
+memory); a request with a job cancelled fails as a whole: a store commits nothing. What an engine writes
+into its own board can only skip or run its own copies.
 """
 
 from __future__ import annotations
@@ -18,26 +25,29 @@ import asyncio
 import collections
 import logging
 import mmap
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from hicached.common import fence as fence_mod
 from hicached.common import ranges as ranges_mod
 from hicached.common.errors import BAD_REQUEST, COPY_FAILED, NO_SPACE, NOT_FOUND, HicachedError
 from hicached.common.geometry import Geometry, check_pages, parse_geometry
 from hicached.common.keys import check_keys
-from hicached.common.memfd import MEMFD, EngineMemory, check_region_fd
+from hicached.common.memfd import MEMFD, EngineMemory, check_region_fd, inspect_fd
 from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, arg, keys_arg
 from hicached.config import Config
 from hicached.daemon.regions.copier import Copier
-from hicached.daemon.regions.jobs import RegionGone
+from hicached.daemon.regions.jobs import CopyCancelled, RegionGone
 from hicached.daemon.sched.tiers import Session, Tiers
 
 log = logging.getLogger("hicached.regions")
 
-KINDS = ("host", "cuda")
+KINDS = ("host", "cuda", fence_mod.KIND)
+CANCEL_LOG_S = 10.0  # cancelled copies are logged at most this often (with how many since the last line)
 
 
 class Region:
@@ -82,6 +92,7 @@ class SessionRegions:
     session: Session | None = None
     after: Callable[[Session], None] | None = None
     dropped: dict[int, str] = field(default_factory=dict)  # handle -> why, for regions whose memory went
+    board: mmap.mmap | None = None  # the fence board (hicached.common.fence), once registered
 
 
 def check_fd(fd: int, min_size: int) -> EngineMemory:
@@ -130,6 +141,44 @@ def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray, 
     return mm, np.frombuffer(mm, dtype=np.uint8)[offset - start :], mem
 
 
+def map_board(fd: int, slots: int) -> mmap.mmap:
+    """An engine's fence board, mapped shared read-write: bad_request unless `fd` is a memfd sealed against
+    shrinking (the daemon's atomic words in it must never fault) of at least `slots` words, `slots` within
+    bounds."""
+    if not 1 <= slots <= fence_mod.MAX_SLOTS:
+        raise HicachedError(BAD_REQUEST, f"a fence board has 1 to {fence_mod.MAX_SLOTS} slots, got {slots}")
+    if not ranges_mod.COPY_FENCES:
+        raise HicachedError(
+            BAD_REQUEST,
+            "this daemon cannot fence copies (hicached.common._pageio is not built, or older); send region "
+            "requests without fences",
+        )
+    nbytes = slots * fence_mod.WORD_BYTES
+    try:
+        mem = inspect_fd(fd)
+    except OSError as e:
+        raise HicachedError(
+            BAD_REQUEST, f"fence board refused: cannot inspect its fd ({e.strerror})"
+        ) from None
+    if mem.kind != MEMFD or mem.can_shrink:
+        raise HicachedError(
+            BAD_REQUEST,
+            f"fence board refused: it must be a memfd sealed with F_SEAL_SHRINK, not a {mem.kind}"
+            + (" that may shrink" if mem.kind == MEMFD else ""),
+        )
+    if mem.size < nbytes:
+        raise HicachedError(
+            BAD_REQUEST, f"fence board refused: {mem.size} bytes hold fewer than {slots} slots"
+        )
+    try:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise HicachedError(
+            BAD_REQUEST,
+            f"fence board refused: cannot map it read-write ({e.strerror}); pass an fd opened O_RDWR",
+        ) from None
+
+
 class RegionService:
     """The region requests of every connection; `cfg()` gives the configuration in force (reloads)."""
 
@@ -142,6 +191,8 @@ class RegionService:
         self.inflight = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self._idle: asyncio.Event | None = None
+        self._cancel_logged = 0.0  # when cancelled copies were last logged
+        self._cancel_unlogged = 0  # cancelled copy jobs since
 
     # Registration.
 
@@ -156,6 +207,8 @@ class RegionService:
         kind = arg(req, "kind", str)
         if kind not in KINDS:
             raise HicachedError(BAD_REQUEST, f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if kind == fence_mod.KIND:
+            return self._attach_board(s, req, fd)
         if fd is not None:
             # Say first that memory the daemon does not take is refused, whatever else is wrong.
             check_fd(fd, 0)
@@ -219,6 +272,49 @@ class RegionService:
             self.counters["attached.tmpfs"] += 1
         log.debug("region %d (%s, %d bytes) for %s", region.handle, kind, nbytes, s.peer)
         return {"handle": region.handle, "num_pages": geom.num_pages, "nbytes": nbytes}
+
+    def _attach_board(self, s: Session, req: dict[str, Any], fd: int | None) -> dict[str, Any]:
+        """The connection's fence board: a memfd of `slots` words. A second one takes the place of the first
+        (a client that registers its board again after an answer it did not get); copies running keep the
+        mapping they were started with."""
+        if fd is None:
+            raise HicachedError(
+                BAD_REQUEST,
+                "a fence board's memfd must come with region_attach on a side connection (SCM_RIGHTS)",
+            )
+        slots = arg(req, "slots", int)
+        st = self._state(s)
+        board = map_board(fd, slots)
+        if st.closing:
+            board.close()
+            raise HicachedError(NOT_FOUND, "the connection this fence board was registered for has closed")
+        st.board = board
+        self.counters["attached.fence"] += 1
+        return {"slots": slots}
+
+    def _fence(self, s: Session, req: dict[str, Any], region: Region) -> tuple[mmap.mmap, int] | None:
+        """The request's fence (its board and slot), None without one; bad_request for one that does not
+        fit."""
+        slot = req.get("fence")
+        if slot is None:
+            return None
+        if not isinstance(slot, int) or isinstance(slot, bool):
+            raise HicachedError(BAD_REQUEST, f"field 'fence' has the wrong type ({type(slot).__name__})")
+        board = s.regions.board if s.regions is not None else None
+        if board is None:
+            raise HicachedError(
+                BAD_REQUEST, "a fence was named, but this connection registered no fence board"
+            )
+        slots = len(board) // fence_mod.WORD_BYTES
+        if not 0 <= slot < slots:
+            raise HicachedError(
+                BAD_REQUEST, f"fence slot {slot} is outside this connection's board of {slots}"
+            )
+        if region.kind != "host":
+            raise HicachedError(
+                BAD_REQUEST, f"region {region.handle} is a {region.kind} region: its copies take no fence"
+            )
+        return board, slot
 
     def detach(self, s: Session, handle: int) -> None:
         st = s.regions
@@ -294,6 +390,12 @@ class RegionService:
             if region.users == 0:
                 self._release(region, st)
         st.regions.clear()
+        board, st.board = st.board, None
+        if board is not None:
+            try:
+                board.close()
+            except BufferError:  # a job's view still in it: it goes with the last one
+                pass
         after, st.after = st.after, None
         if after is not None and st.session is not None:
             after(st.session)
@@ -321,11 +423,17 @@ class RegionService:
         return region, pages, keys
 
     def _start_copy(
-        self, s: Session, region: Region, to_pool: bool, pages: list[int], slots: list[int]
+        self,
+        s: Session,
+        region: Region,
+        to_pool: bool,
+        pages: list[int],
+        slots: list[int],
+        fence: tuple[mmap.mmap, int] | None = None,
     ) -> asyncio.Future[list[int] | None]:
         if region.closed:
             raise HicachedError(NOT_FOUND, region.gone or f"region {region.handle} was unregistered")
-        fut = self.copier.copy(region, to_pool, region.geom, pages, slots)
+        fut = self.copier.copy(region, to_pool, region.geom, pages, slots, fence)
         st = s.regions
         st.inflight += 1
         region.users += 1
@@ -334,9 +442,11 @@ class RegionService:
         return fut
 
     def _copied(self, fut: asyncio.Future[list[int] | None], st: SessionRegions, region: Region) -> None:
-        error = None if fut.cancelled() else fut.exception()
-        if error is not None:
-            self.counters["copy_errors"] += 1  # also marks the error retrieved when nobody awaits it now
+        error = None if fut.cancelled() else fut.exception()  # also marks it retrieved: nobody may await it
+        if isinstance(error, CopyCancelled):
+            self._cancelled(st, region, error.jobs)
+        elif error is not None:
+            self.counters["copy_errors"] += 1
             if isinstance(error, RegionGone):
                 self._drop(st, region)
         st.inflight -= 1
@@ -349,8 +459,28 @@ class RegionService:
         if self.inflight == 0 and self._idle is not None:
             self._idle.set()
 
+    def _cancelled(self, st: SessionRegions, region: Region, jobs: int) -> None:
+        """Copy jobs that found their request cancelled by the engine: counted, and logged at most every
+        CANCEL_LOG_S (an engine whose answers time out cancels many)."""
+        self.counters["copies_cancelled"] += jobs
+        self._cancel_unlogged += jobs
+        now = time.monotonic()
+        if now - self._cancel_logged < CANCEL_LOG_S:
+            return
+        peer = st.session.peer if st.session is not None else "?"
+        log.warning(
+            "%d copy jobs skipped since the last such line (latest: region %d of %s): their engines "
+            "cancelled the requests (the answers timed out or the connections broke) and may have reused the "
+            "memory; those requests stored or loaded nothing",
+            self._cancel_unlogged,
+            region.handle,
+            peer,
+        )
+        self._cancel_logged, self._cancel_unlogged = now, 0
+
     async def store_pages(self, s: Session, req: dict[str, Any]) -> dict[str, Any]:
         region, pages, keys = self._lookup(s, req, unique=False)
+        fence = self._fence(s, req, region)
         status, offsets = self.tiers.alloc(s, keys)
         result = [st == ALLOC_PRESENT for st in status]
         todo = [i for i, st in enumerate(status) if st == ALLOC_WRITE]
@@ -360,7 +490,9 @@ class RegionService:
         # the slots (or make them evictable) while the copy still writes into them.
         held = self.tiers.hold_writing(s, [keys[i] for i in todo])
         try:
-            fut = self._start_copy(s, region, True, [pages[i] for i in todo], [offsets[i] for i in todo])
+            fut = self._start_copy(
+                s, region, True, [pages[i] for i in todo], [offsets[i] for i in todo], fence
+            )
             # Shielded: a cancelled request (its connection closed) must not forget a copy still running.
             sums = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -378,13 +510,14 @@ class RegionService:
 
     async def load_pages(self, s: Session, req: dict[str, Any]) -> dict[str, Any]:
         region, pages, keys = self._lookup(s, req, unique=True)
+        fence = self._fence(s, req, region)
         lease, offsets = await self.tiers.acquire(s, keys, arg(req, "fetch", bool, True))
         if not offsets:
             return {"n": 0}
         n = len(offsets)
         self.tiers.hold_lease(s, lease)  # an engine's release of it meanwhile would free slots under the copy
         try:
-            await asyncio.shield(self._start_copy(s, region, False, pages[:n], offsets))
+            await asyncio.shield(self._start_copy(s, region, False, pages[:n], offsets, fence))
         except asyncio.CancelledError:
             raise  # the connection closed: its lease goes once the copy has ended (close_session)
         except BaseException as e:
@@ -426,6 +559,7 @@ class RegionService:
             "count": self.count,
             "bytes": self.nbytes,
             "inflight": self.inflight,
+            "copies_cancelled": self.counters["copies_cancelled"],
             "counters": dict(self.counters),
             "copier": self.copier.stats(),
         }
