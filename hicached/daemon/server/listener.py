@@ -58,6 +58,7 @@ MAX_FDS = 4  # fds read with a connection's first bytes; region_attach takes exa
 
 OPERATOR = "operator"
 ENGINE = "engine"
+NO_ARENA_BYTES = 4096
 # Controls an engine may use: they change nothing (`backend` only with action "show").
 READ_ONLY_CONTROLS = frozenset({"status", "stats"})
 
@@ -90,6 +91,7 @@ class Server:
         self._tenant_of: dict[str, str] = {}
         self._unlink: set[str] = set()  # paths this server removes at its stop (not systemd's socket)
         self._accept_tasks: list[asyncio.Task[None]] = []
+        self._empty_fd = -1  # _no_arena's memfd
         self._admitting: set[asyncio.Task[Any]] = set()
         self._engines_admitting = 0  # engine connections past their first bytes, not yet in `connections`
         self.regions = RegionService(lambda: self.cfg, tiers)
@@ -187,6 +189,9 @@ class Server:
             c.close()
         await asyncio.sleep(0)
         await self.regions.close(timeout)
+        if self._empty_fd >= 0:
+            os.close(self._empty_fd)
+            self._empty_fd = -1
 
     async def hand_over(self, timeout: float) -> list[socket.socket]:
         """Takeover, old side: stop accepting but keep the listening sockets open (engines that connect
@@ -306,6 +311,15 @@ class Server:
             return role or ENGINE, tenant
         return role, DEFAULT
 
+    def _no_arena(self) -> int:
+        """A page of memory that belongs to no tenant, handed to a peer whose tenant has no L2 (an operator
+        of the default tenant when [tenants] take all of pool.capacity): its client maps something, and its
+        hello is refused (_check_namespace)."""
+        if self._empty_fd < 0:
+            self._empty_fd = os.memfd_create("hicached-no-arena", os.MFD_CLOEXEC)
+            os.ftruncate(self._empty_fd, NO_ARENA_BYTES)
+        return self._empty_fd
+
     def _no_room(self, role: str | None, tenant: str) -> bool:
         """An engine of the default tenant when [tenants] leave it no capacity: nothing it could store."""
         return (
@@ -389,7 +403,10 @@ class Server:
                 self._refuse(sock, BUSY, "too many connections (server.max_connections)")
                 return
             token = secrets.token_hex(16)
-            arena_fd, arena_bytes = self.tiers.arena(tenant)
+            try:
+                arena_fd, arena_bytes = self.tiers.arena(tenant)
+            except HicachedError:  # a tenant without L2: an operator's ctl still needs a welcome
+                arena_fd, arena_bytes = self._no_arena(), NO_ARENA_BYTES
             welcome = protocol.encode(
                 {
                     "id": 0,
