@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import pathlib
+import tomllib
 
 import pytest
 from hicached.config import ConfigError, from_dict
@@ -126,3 +128,11 @@ def test_a_reload_whose_kept_tenant_overlaps_a_changed_one_is_refused():
     new = load({"b": tenant(namespaces=["a.x"])})  # b takes a namespace of a, whose removal waits a restart
     with pytest.raises(ConfigError, match="overlaps"):
         plan(old, new)
+
+
+def test_the_system_configurations_tenant_example_loads_once_uncommented():
+    text = (pathlib.Path(__file__).parents[2] / "config" / "hicached.toml").read_text()
+    start = text.index("# [tenants.team-a]")
+    example = "\n".join(line.removeprefix("# ") for line in text[start:].splitlines())
+    cfg = from_dict(tomllib.loads(text[:start] + example), "/etc/hicached")
+    assert cfg.tenants["team-a"].namespaces == ["team-a.*"] and cfg.tenants["team-a"].capacity == 16 << 30
