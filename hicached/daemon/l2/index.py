@@ -130,8 +130,18 @@ class EntriesView:
 
 
 class PageIndex:
-    def __init__(self, allocator: SlabAllocator) -> None:
-        self.alloc = allocator
+    """With several allocators, one an arena of the pool (a tenant's share: hicached.daemon.l2.pool), each
+    namespace's pages live in the arena `arena_of(namespace)` names, and evictions, slab moves and the
+    counts the pool's fractions bound (dirty_bytes, reserved_bytes: arena_dirty, arena_reserved) stay within
+    an arena."""
+
+    def __init__(self, allocator: SlabAllocator | list[SlabAllocator]) -> None:
+        self.allocs = allocator if isinstance(allocator, list) else [allocator]
+        if [a.arena for a in self.allocs] != list(range(len(self.allocs))):
+            raise ValueError("allocators must be given in arena order")
+        self.alloc = self.allocs[0]
+        # namespace -> the arena its pages live in (Tiers sets it from the tenants' namespaces).
+        self.arena_of: Callable[[str], int] = lambda ns: 0
         # namespace -> key -> entry. Looked up per key on every request: a dict per namespace costs half
         # of one dict keyed by (namespace, key) tuples, which builds and hashes a tuple per lookup.
         self._by_ns: dict[str, dict[str, Entry]] = {}
@@ -152,14 +162,17 @@ class PageIndex:
         self.evictable_bytes = 0
         self.reserved = 0  # slots set aside for connections' next stores, under no key yet
         self.reserved_bytes = 0
+        self.arena_dirty = [0] * len(self.allocs)  # dirty_bytes by arena
+        self.arena_reserved = [0] * len(self.allocs)  # reserved_bytes by arena
         self.counters: collections.Counter[str] = collections.Counter()
         # Called with the entries that leave the index (evicted, aborted, failed fill): a list, so that a
         # full pool's evictions for a whole request are told in one call.
         self.on_remove: Callable[[list[Entry]], None] = lambda entries: None
-        # Called with the bytes still wanted when nothing more can be evicted for an allocation: it may make
-        # pages evictable (Tiers: the oldest pages waiting for L3, past storage.max_unbacked_fraction) and
-        # returns how many it did; the allocation then tries eviction once more.
-        self.on_short: Callable[[int], int] = lambda nbytes: 0
+        # Called with the bytes still wanted, and the arena, when nothing more can be evicted for an
+        # allocation: it may make pages evictable (Tiers: the oldest pages waiting for L3, past
+        # storage.max_unbacked_fraction) and returns how many it did; the allocation then tries eviction once
+        # more.
+        self.on_short: Callable[[int, int], int] = lambda nbytes, arena: 0
 
     def get(self, ns: str, key: str) -> Entry | None:
         d = self._by_ns.get(ns)
@@ -197,14 +210,18 @@ class PageIndex:
             entry.counted_dirty = False
             self.dirty_pages -= 1
             self.dirty_bytes -= entry.cls.slot_bytes
+            self.arena_dirty[entry.cls.arena] -= entry.cls.slot_bytes
         self._count -= 1
 
     def allocate(self, ns: str, key: str, page_bytes: int, state: str) -> Entry | None:
         """A new entry with a slot of its own, evicting if needed; None when nothing can be freed."""
-        cls = self.size_class(page_bytes)
-        offset = self.alloc.alloc(cls)
+        arena = self.arena_of(ns)
+        if arena < 0:
+            return None  # a namespace no arena holds (a tenant without a share of L2)
+        cls = self.size_class(page_bytes, arena)
+        offset = self.allocs[arena].alloc(cls)
         if offset is None:
-            cls, offsets = self.take_slots(page_bytes, 1)
+            cls, offsets = self.take_slots(page_bytes, 1, ns)
             if not offsets:
                 return None
             offset = offsets[0]
@@ -214,7 +231,7 @@ class PageIndex:
         """Up to `n` slots set aside for a connection's next stores (Tiers.reserve): WRITING entries under
         no key yet, leased, so that neither eviction nor a slab move takes them. Fewer when
         nothing more can be freed."""
-        cls, offsets = self.take_slots(page_bytes, n)
+        cls, offsets = self.take_slots(page_bytes, n, ns)
         out = []
         for offset in offsets:
             entry = Entry(ns, "", offset, page_bytes, cls, WRITING)
@@ -223,6 +240,7 @@ class PageIndex:
             out.append(entry)
         self.reserved += len(out)
         self.reserved_bytes += len(out) * cls.slot_bytes
+        self.arena_reserved[cls.arena] += len(out) * cls.slot_bytes
         return out
 
     def bind(self, entry: Entry, key: str) -> None:
@@ -231,42 +249,52 @@ class PageIndex:
         self._insert(entry)
         self.reserved -= 1
         self.reserved_bytes -= entry.cls.slot_bytes
+        self.arena_reserved[entry.cls.arena] -= entry.cls.slot_bytes
 
     def unreserve(self, entry: Entry, quarantine: float = 0.0) -> None:
         """A reserved slot that was never bound goes back to the allocator (`quarantine`: as in remove)."""
         self.reserved -= 1
         self.reserved_bytes -= entry.cls.slot_bytes
+        self.arena_reserved[entry.cls.arena] -= entry.cls.slot_bytes
         self._release_slot(entry, quarantine)
 
-    def size_class(self, page_bytes: int) -> SizeClass:
-        cls = self._classes.get(page_bytes)
+    def size_class(self, page_bytes: int, arena: int = 0) -> SizeClass:
+        """The size class of pages of `page_bytes` in arena `arena`."""
+        cls = self._classes.get(page_bytes) if not arena else None
         if cls is None:
-            cls = self._classes[page_bytes] = self.alloc.size_class(slot_size(page_bytes))
+            cls = self.allocs[arena].size_class(slot_size(page_bytes))
+            if not arena:
+                self._classes[page_bytes] = cls  # looked up per page: arena 0 (no tenants) the fast path
         return cls
 
-    def take_slots(self, page_bytes: int, n: int) -> tuple[SizeClass, list[int]]:
-        """Up to `n` slots for pages of `page_bytes`, evicting as needed; fewer when nothing more can be
-        freed. What n allocations would take, with a full pool's work (an eviction for each page taken
-        in) done in one loop. The caller turns every slot into an entry (entry_at) or gives it back
-        (give_back) before anything else allocates: until then the slot belongs to no entry."""
-        cls = self.size_class(page_bytes)
-        out = self.alloc.alloc_many(cls, n)
+    def take_slots(self, page_bytes: int, n: int, ns: str | None = None) -> tuple[SizeClass, list[int]]:
+        """Up to `n` slots for pages of `page_bytes` (in the arena of namespace `ns`), evicting as needed;
+        fewer when nothing more can be freed. What n allocations would take, with a full pool's work (an
+        eviction for each page taken in) done in one loop. The caller turns every slot into an entry
+        (entry_at) or gives it back (give_back) before anything else allocates: until then the slot
+        belongs to no entry."""
+        arena = self.arena_of(ns) if ns is not None else 0
+        if arena < 0:  # a namespace no arena holds (a tenant without a share of L2): no slot
+            return self.size_class(page_bytes, 0), []
+        cls = self.size_class(page_bytes, arena)
+        alloc = self.allocs[arena]
+        out = alloc.alloc_many(cls, n)
         short = True  # on_short not asked yet
         while len(out) < n:
-            share = self.alloc.fair_share(cls)
+            share = alloc.fair_share(cls)
             if len(cls.slabs) < share and self._steal_slab(cls, share):
-                out += self.alloc.alloc_many(cls, n - len(out))
+                out += alloc.alloc_many(cls, n - len(out))
                 continue
             evicted = self._evict(cls, n - len(out))
             if evicted:
                 out += evicted
                 continue
             if self._steal_slab(cls, share):
-                out += self.alloc.alloc_many(cls, n - len(out))
+                out += alloc.alloc_many(cls, n - len(out))
                 continue
             if short:
                 short = False
-                if self.on_short((n - len(out)) * cls.slot_bytes):
+                if self.on_short((n - len(out)) * cls.slot_bytes, cls.arena):
                     continue
             self.counters["alloc_failures"] += 1
             break
@@ -309,8 +337,9 @@ class PageIndex:
 
     def give_back(self, cls: SizeClass, offsets: list[int]) -> None:
         """Slots from take_slots that became no entry."""
+        alloc = self.allocs[cls.arena]
         for offset in offsets:
-            self.alloc.free(cls, offset)
+            alloc.free(cls, offset)
 
     def remove(self, entry: Entry, quarantine: float = 0.0, until: Any = None) -> None:
         """Drops the entry and frees its slot. The caller makes sure nobody holds a lease on it.
@@ -342,7 +371,7 @@ class PageIndex:
 
     def _free_slot(self, entry: Entry) -> None:
         del self._by_offset[entry.offset]
-        self.alloc.free(entry.cls, entry.offset)
+        self.allocs[entry.cls.arena].free(entry.cls, entry.offset)
 
     # State changes. Each one re-files the entry in or out of the LRU.
 
@@ -354,7 +383,9 @@ class PageIndex:
         if entry.dirty != entry.counted_dirty:
             entry.counted_dirty = entry.dirty
             self.dirty_pages += 1 if entry.dirty else -1
-            self.dirty_bytes += entry.cls.slot_bytes if entry.dirty else -entry.cls.slot_bytes
+            change = entry.cls.slot_bytes if entry.dirty else -entry.cls.slot_bytes
+            self.dirty_bytes += change
+            self.arena_dirty[entry.cls.arena] += change
         if entry.state == READY and not entry.leases and not entry.pinned and not entry.dirty:
             lru = self._lru.get(entry.cls)
             if lru is None:
@@ -467,8 +498,9 @@ class PageIndex:
 
     def _steal_slab(self, cls: SizeClass, share: int) -> bool:
         """Take a whole slab of evictable pages from the class holding the most slabs above its share."""
+        alloc = self.allocs[cls.arena]  # slabs move within an arena only
         victims = sorted(
-            (c for c in self.alloc.classes.values() if c is not cls and len(c.slabs) > share),
+            (c for c in alloc.classes.values() if c is not cls and len(c.slabs) > share),
             key=lambda c: len(c.slabs),
             reverse=True,
         )
@@ -476,26 +508,40 @@ class PageIndex:
             lru = self._lru.get(victim)
             tried: set[int] = set()
             for entry in list(itertools.islice(lru.values(), _STEAL_CANDIDATES)) if lru else ():
-                slab = self.alloc.slab_of(entry.offset)
+                slab = alloc.slab_of(entry.offset)
                 if slab in tried:
                     continue
                 tried.add(slab)
-                residents = [self._by_offset.get(o) for o in self.alloc.slots_of(slab)]
+                residents = [self._by_offset.get(o) for o in alloc.slots_of(slab)]
                 if all(e is None or e.evictable for e in residents):
                     for e in residents:
                         if e is not None:
                             self.remove(e)
                             self.counters["evictions"] += 1
-                    self.alloc.move_slab(slab, cls)
+                    alloc.move_slab(slab, cls)
                     self.counters["slab_moves"] += 1
                     return True
         return False
 
     def reclaimable_fraction(self) -> float:
         """Share of the pool that is free or could be evicted now (write-back flushes below a watermark)."""
-        free = len(self.alloc.free_slabs) * self.alloc.slab_bytes
-        free += sum(len(c.free) * c.slot_bytes for c in self.alloc.classes.values())
-        return (free + self.evictable_bytes) / self.alloc.capacity
+        free = sum(len(a.free_slabs) * a.slab_bytes for a in self.allocs)
+        free += sum(len(c.free) * c.slot_bytes for c in self.all_classes())
+        return (free + self.evictable_bytes) / self.capacity
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of slabs over every arena."""
+        return sum(a.capacity for a in self.allocs)
+
+    def all_classes(self) -> Iterator[SizeClass]:
+        """The size classes of every arena."""
+        return itertools.chain.from_iterable(a.classes.values() for a in self.allocs)
+
+    def used_bytes(self, arena: int | None = None) -> int:
+        """Bytes of slots in use, in one arena or over all of them."""
+        classes = self.all_classes() if arena is None else self.allocs[arena].classes.values()
+        return sum(c.used * c.slot_bytes for c in classes)
 
     def stats(self) -> dict:
         """Counts of the index, exact: the states, pins and leases from one walk over every entry."""
@@ -527,8 +573,9 @@ class PageIndex:
             "reserved": self.reserved,
             "reserved_bytes": self.reserved_bytes,
             "evictable_bytes": self.evictable_bytes,
-            "used_bytes": sum(c.used * c.slot_bytes for c in self.alloc.classes.values()),
-            "capacity_bytes": self.alloc.capacity,
+            "used_bytes": self.used_bytes(),
+            "capacity_bytes": self.capacity,
             **{k: v for k, v in self.counters.items()},
             "slabs": self.alloc.stats(),
+            **({"arena_slabs": [a.stats() for a in self.allocs]} if len(self.allocs) > 1 else {}),
         }

@@ -14,10 +14,11 @@ def slot_size(page_bytes: int) -> int:
 
 
 class SizeClass:
-    __slots__ = ("slot_bytes", "per_slab", "slabs", "free", "used")
+    __slots__ = ("slot_bytes", "per_slab", "slabs", "free", "used", "arena")
 
-    def __init__(self, slot_bytes: int, slab_bytes: int) -> None:
+    def __init__(self, slot_bytes: int, slab_bytes: int, arena: int = 0) -> None:
         self.slot_bytes = slot_bytes
+        self.arena = arena  # the pool arena (tenant) whose slabs it takes: hicached.daemon.l2.pool
         self.per_slab = slab_bytes // slot_bytes
         self.slabs: set[int] = set()
         self.free: list[int] = []  # free slot offsets, used as a stack
@@ -25,9 +26,14 @@ class SizeClass:
 
 
 class SlabAllocator:
-    def __init__(self, capacity: int, slab_bytes: int) -> None:
+    """The slabs of `capacity` bytes of the pool from offset `base` (one arena: a tenant's share; the whole
+    pool where there are no tenants). Offsets are the pool's; slab numbers count from `base`."""
+
+    def __init__(self, capacity: int, slab_bytes: int, base: int = 0, arena: int = 0) -> None:
         if slab_bytes % ALIGN or slab_bytes <= 0:
             raise ValueError("slab size must be a positive multiple of 4KiB")
+        self.base = base
+        self.arena = arena
         self.slab_bytes = slab_bytes
         self.nslabs = capacity // slab_bytes
         if self.nslabs < 1:
@@ -45,7 +51,7 @@ class SlabAllocator:
         if cls is None:
             if slot_bytes > self.slab_bytes:
                 raise ValueError(f"page of {slot_bytes} bytes is larger than a slab ({self.slab_bytes})")
-            cls = self.classes[slot_bytes] = SizeClass(slot_bytes, self.slab_bytes)
+            cls = self.classes[slot_bytes] = SizeClass(slot_bytes, self.slab_bytes, self.arena)
         return cls
 
     def alloc(self, cls: SizeClass) -> int | None:
@@ -83,18 +89,18 @@ class SlabAllocator:
         self._owner[slab] = cls
         self._active += not cls.slabs
         cls.slabs.add(slab)
-        base = slab * self.slab_bytes
+        base = self.base + slab * self.slab_bytes
         # Pushed in reverse so slots are handed out from the start of the slab.
         cls.free.extend(base + i * cls.slot_bytes for i in range(cls.per_slab - 1, -1, -1))
 
     def slab_of(self, offset: int) -> int:
-        return offset // self.slab_bytes
+        return (offset - self.base) // self.slab_bytes
 
     def slots_of(self, slab: int) -> list[int]:
         cls = self._owner[slab]
         if cls is None:
             return []
-        base = slab * self.slab_bytes
+        base = self.base + slab * self.slab_bytes
         return [base + i * cls.slot_bytes for i in range(cls.per_slab)]
 
     def owner(self, slab: int) -> SizeClass | None:

@@ -118,14 +118,20 @@ class Backup:
             self._idle.clear()
             self._wakeup.set()
 
-    def drop_oldest(self, nbytes: int) -> int:
+    def drop_oldest(self, nbytes: int, arena: int | None = None) -> int:
         """Stops holding the oldest queued pages for L3 until `nbytes` of slots are no longer held (or none is
         queued): they leave the queue, stay in L2 as any clean page (evictable) and are remembered in
-        `dropped`. Pages being written are not taken: their call is under way. Returns how many."""
+        `dropped`. Pages being written are not taken: their call is under way. With `arena`, only pages of
+        that arena of the pool (a tenant's) are taken. Returns how many."""
         queue, update, dropped = self._queue, self.index.update, self.dropped
         freed = n = 0
+        others = []  # another arena's, put back in their order
         while queue and freed < nbytes:
-            entry = queue.popleft()[1]
+            item = queue.popleft()
+            entry = item[1]
+            if arena is not None and entry.cls.arena != arena:
+                others.append(item)
+                continue
             entry.queued = False
             if entry.dirty:
                 entry.dirty = False
@@ -133,6 +139,7 @@ class Backup:
                 dropped.add(entry)
                 freed += entry.cls.slot_bytes
                 n += 1
+        queue.extendleft(reversed(others))
         if not queue and not self.inflight:
             self._idle.set()
         return n

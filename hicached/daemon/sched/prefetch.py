@@ -150,7 +150,7 @@ class Prefetcher:
         # entry holds two leases: one for the fetch until the read ends, one as for the pages found above.
         new: list[tuple[int, Entry]] = []
         if missing:
-            cls, slots = index.take_slots(page_bytes, len(missing))
+            cls, slots = index.take_slots(page_bytes, len(missing), ns)
             wanted = [out[pos] for pos in missing]
             if len(set(wanted)) == len(wanted):  # as a rule: every key once
                 made = index.entries_at(ns, wanted[: len(slots)], page_bytes, cls, slots, FILLING, leases=2)

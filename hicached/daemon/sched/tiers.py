@@ -17,7 +17,7 @@ from typing import Any
 
 import xxhash
 
-from hicached.common.errors import BAD_REQUEST, NOT_FOUND, HicachedError
+from hicached.common.errors import BAD_REQUEST, NOT_FOUND, UNAUTHORIZED, HicachedError
 from hicached.common.protocol import (
     ALLOC_BUSY,
     ALLOC_NO_SPACE,
@@ -29,9 +29,11 @@ from hicached.common.protocol import (
 )
 from hicached.common.retry import Backoff
 from hicached.config import Config
+from hicached.config.tenants import DEFAULT as DEFAULT_TENANT
+from hicached.config.tenants import matches_any
 from hicached.connectors.base import BackendError, Connector
 from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex, PageRecords
-from hicached.daemon.l2.pool import Pool
+from hicached.daemon.l2.pool import DEFAULT_ARENA, Arena, Pool
 from hicached.daemon.l2.slabs import SlabAllocator, slot_size
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.backup import Backup
@@ -112,7 +114,13 @@ class Tiers:
     def __init__(self, cfg: Config, pool: Pool, connector: Connector | None) -> None:
         self.cfg = cfg
         self.pool = pool
-        self.index = PageIndex(SlabAllocator(pool.size, cfg.pool.slab_size))
+        slab = cfg.pool.slab_size
+        self.index = PageIndex([SlabAllocator(a.size, slab, a.base, a.index) for a in pool.arenas])
+        # namespace -> its arena (tenant), from the tenants' namespaces: forgotten at each reload (retenant)
+        self._ns_arena: dict[str, int] = {}
+        # Tenants have pools of their own (the pool's arenas); else one pool serves every engine.
+        self.tenanted = not (len(pool.arenas) == 1 and pool.arenas[0].name == DEFAULT_ARENA)
+        self.index.arena_of = self.arena_of
         self.counters: collections.Counter[str] = collections.Counter()
         self.backend = Backend(cfg, self.counters)
         self.backend.current = connector
@@ -169,6 +177,7 @@ class Tiers:
         self._pressure = asyncio.Event()
         self._writeback_task: asyncio.Task[None] | None = None
         self.pinned_bytes = 0
+        self.arena_pinned = [0] * len(pool.arenas)  # pinned_bytes by arena
         self.last_engine_io = 0.0  # time.monotonic() of the last store or load
         self.backup.allowed = self._backup_calls_allowed
         self.backup.defer = self._backup_defer
@@ -178,8 +187,103 @@ class Tiers:
         return self.backend.current
 
     def arena(self, tenant: str) -> tuple[int, int]:
-        """(memfd, bytes) of the pool memory that `tenant`'s engines are handed and map."""
-        return self.pool.fd, self.pool.size
+        """(memfd, bytes) of the pool memory that `tenant`'s engines are handed and map: the whole pool
+        where there are no tenants, else the tenant's arena. HicachedError(unauthorized) for a tenant
+        without a share of L2 (the default tenant, when the tenants take all of pool.capacity)."""
+        a = self._tenant_arena(tenant)
+        return a.fd, a.size
+
+    def _tenant_arena(self, tenant: str) -> Arena:
+        if not self.tenanted:
+            return self.pool.arenas[0]
+        try:
+            return self.pool.arena(tenant)
+        except KeyError:
+            raise HicachedError(
+                UNAUTHORIZED,
+                f"tenant {tenant!r} has no share of L2: the tenants' capacities take all of pool.capacity",
+            ) from None
+
+    def arena_of(self, ns: str) -> int:
+        """The arena (index in pool.arenas) that namespace `ns`'s pages live in: its tenant's, by the
+        tenants' namespaces (hicached.config.tenants); the default tenant's for the rest."""
+        got = self._ns_arena.get(ns)
+        if got is not None:
+            return got
+        if not self.tenanted:
+            return 0
+        name = DEFAULT_TENANT
+        for tenant, t in self.cfg.tenants.items():
+            if matches_any(t.namespaces, ns):
+                name = tenant
+                break
+        try:
+            got = self.pool.arena(name).index
+        except KeyError:
+            got = -1  # the default tenant without a share: nothing of this namespace can be stored
+        if len(self._ns_arena) < 1 << 16:
+            self._ns_arena[ns] = got
+        return got
+
+    def tenant_stats(self, tenant: str) -> dict[str, Any]:
+        """One tenant's figures of L2: its pool (arena) and the namespaces whose pages live in it."""
+        try:
+            a = self._tenant_arena(tenant)
+        except HicachedError:
+            return {"capacity_bytes": 0, "used_bytes": 0, "pages": 0, "namespaces": {}}
+        i = a.index
+        names = {ns: pb for ns, pb in self.namespaces.items() if self.arena_of(ns) == i}
+        return {
+            "pool_bytes": a.size,
+            "capacity_bytes": self.index.allocs[i].capacity,
+            "used_bytes": self.index.used_bytes(i),
+            "pages": sum(len(self.index.ns_entries(ns)) for ns in names),
+            "unbacked_bytes": self.index.arena_dirty[i],
+            "reserved_bytes": self.index.arena_reserved[i],
+            "pinned_bytes": self.arena_pinned[i],
+            "namespaces": names,
+        }
+
+    def retenant(self) -> int:
+        """After a reload (the tenants' namespaces may have changed): namespaces are placed afresh, and pages
+        of a namespace that now belongs to another tenant leave L2 where nothing holds them (in L3 already,
+        or nothing to back them up to); the others follow as they become idle (an engine is never handed
+        another arena's offsets: engine_offsets refuses). Returns how many left."""
+        self._ns_arena.clear()
+        if not self.tenanted:
+            return 0
+        n = 0
+        for ns in list(self.namespaces):
+            arena = self.arena_of(ns)
+            for entry in list(self.index.ns_entries(ns).values()):
+                if entry.cls.arena != arena and entry.evictable:
+                    self.index.remove(entry)
+                    n += 1
+        return n
+
+    def engine_offsets(self, s: Session, offsets: list[int]) -> list[int]:
+        """Pool offsets as the session's engine sees them: within the arena it maps (its tenant's). -1 stays
+        -1. HicachedError if one is outside that arena (a namespace that moved to another tenant at a
+        reload, with pages still in its old arena): never another tenant's offset."""
+        if not self.tenanted:
+            return offsets
+        a = self._tenant_arena(s.tenant)
+        lo, hi = a.base, a.base + a.size
+        if any(not lo <= o < hi for o in offsets if o >= 0):
+            raise HicachedError(
+                BAD_REQUEST,
+                f"namespace {s.ns!r} has pages outside tenant {s.tenant!r}'s pool (its tenant changed at a "
+                "reload); they leave L2 once idle: retry later",
+            )
+        return [o - lo if o >= 0 else o for o in offsets]
+
+    def pool_offsets(self, s: Session, offsets: list[Any]) -> list[Any]:
+        """Offsets an engine sent (within its arena) as pool offsets; what is not an int is left as it is
+        (the caller refuses it)."""
+        if not self.tenanted:
+            return offsets
+        base = self._tenant_arena(s.tenant).base
+        return [o + base if type(o) is int else o for o in offsets]
 
     def _backup_calls_allowed(self) -> int:
         """Write-through backups are background work: while engines store or load, they run at most
@@ -417,7 +521,7 @@ class Tiers:
         held = len(s.writing) + len(s.copying)
         room = self.backup.queue_pages - self.backup.pending - held if through else n
         if through and self.cfg.storage.when_backlog_full == "refuse":
-            room = min(room, self._backlog_room(s.page_bytes) - held)
+            room = min(room, self._backlog_room(s) - held)
         get = self.index.ns_entries(s.ns).get
         given_up = self.backup.abandoned if self.connector is not None else ()
         retry: list[Entry] = []
@@ -441,7 +545,7 @@ class Tiers:
                 want.append(i)
                 first[key] = i
         if want:
-            cls, slots = self.index.take_slots(s.page_bytes, len(want))
+            cls, slots = self.index.take_slots(s.page_bytes, len(want), s.ns)
             entries = self.index.entries_at(
                 s.ns, [keys[i] for i in want[: len(slots)]], s.page_bytes, cls, slots, WRITING, leases=1
             )
@@ -549,24 +653,28 @@ class Tiers:
         if self.write_back and self.index.reclaimable_fraction() < self.cfg.pool.writeback_low_watermark:
             self._pressure.set()
 
-    def _backlog_limit(self) -> float:
-        """Bytes of slots that pages waiting for L3 may hold (write-through): max_unbacked_fraction."""
-        return self.cfg.storage.max_unbacked_fraction * self.index.alloc.capacity
+    def _backlog_limit(self, arena: int | None = None) -> float:
+        """Bytes of slots that pages waiting for L3 may hold (write-through): max_unbacked_fraction of the
+        pool, or of one arena (a tenant's pool)."""
+        capacity = self.index.capacity if arena is None else self.index.allocs[arena].capacity
+        return self.cfg.storage.max_unbacked_fraction * capacity
 
-    def _backlog_room(self, page_bytes: int) -> int:
-        """Under when_backlog_full = "refuse": how many more pages of `page_bytes` may wait for L3."""
-        return max(0, int(self._backlog_limit() - self.index.dirty_bytes) // slot_size(page_bytes))
+    def _backlog_room(self, s: Session) -> int:
+        """Under when_backlog_full = "refuse": how many more pages of the session's may wait for L3."""
+        arena = max(0, self.arena_of(s.ns))
+        room = self._backlog_limit(arena) - self.index.arena_dirty[arena]
+        return max(0, int(room) // slot_size(s.page_bytes))
 
-    def _backlog_full(self, nbytes: int) -> int:
+    def _backlog_full(self, nbytes: int, arena: int = 0) -> int:
         """The pool has no slot left to free for `nbytes` of new pages (index.on_short). Under write-through
         with drop_oldest, while the pages waiting for L3 hold more than storage.max_unbacked_fraction of the
         pool, the oldest of them stop holding their slots until they are within it: the pool takes new pages
         whatever L3 does. Nothing is dropped while a slot is free or evictable: a backend that is only
         behind for a burst loses nothing. Counted, and logged once a minute. Returns how many."""
-        over = self.index.dirty_bytes - self._backlog_limit()
+        over = self.index.arena_dirty[arena] - self._backlog_limit(arena)
         if over <= 0 or self.write_back or self.cfg.storage.when_backlog_full != "drop_oldest":
             return 0
-        n = self.backup.drop_oldest(int(over))
+        n = self.backup.drop_oldest(int(over), arena if len(self.index.allocs) > 1 else None)
         if n:
             fraction = self.cfg.storage.max_unbacked_fraction
             self._dropped_report.add(
@@ -587,9 +695,12 @@ class Tiers:
         Returns their offsets and how many this connection may hold."""
         self.last_engine_io = time.monotonic()
         slot = slot_size(s.page_bytes)
-        every = int(self.cfg.pool.reserve_max_fraction * self.index.alloc.capacity)
+        arena = self.arena_of(s.ns)
+        if arena < 0:
+            return [], 0
+        every = int(self.cfg.pool.reserve_max_fraction * self.index.allocs[arena].capacity)
         limit = min(self.cfg.pool.reserve_per_connection, every) // slot
-        n = min(n, limit - len(s.reserved), (every - self.index.reserved_bytes) // slot)
+        n = min(n, limit - len(s.reserved), (every - self.index.arena_reserved[arena]) // slot)
         entries = self.index.reserve(s.ns, s.page_bytes, n) if n > 0 else []
         if len(entries) < n:
             self.counters["store.no_space"] += 1
@@ -618,7 +729,7 @@ class Tiers:
         held = len(s.writing) + len(s.copying)  # slots of this connection on their way to the queue too
         room = self.backup.queue_pages - self.backup.pending - held
         if through and self.cfg.storage.when_backlog_full == "refuse":
-            room = min(room, self._backlog_room(s.page_bytes) - held)
+            room = min(room, self._backlog_room(s) - held)
         given_up = self.backup.abandoned if self.connector is not None else ()
         retry: list[Entry] = []
         for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
@@ -949,6 +1060,7 @@ class Tiers:
         if entry.pinned:
             entry.pinned = False
             self.pinned_bytes -= entry.cls.slot_bytes
+            self.arena_pinned[entry.cls.arena] -= entry.cls.slot_bytes
         self.index.remove(entry)
 
     # Recency.
@@ -963,13 +1075,12 @@ class Tiers:
     # Pins.
 
     def pin(self, s: Session, keys: list[str]) -> int:
-        limit = self.cfg.pool.max_pinned_fraction * self.index.alloc.capacity
         n = 0
         for key in keys:
             entry = self.index.get(s.ns, key)
             if entry is None or entry.state != READY:
                 continue
-            if not entry.pinned and not self.pin_entry(entry, limit):
+            if not entry.pinned and not self.pin_entry(entry):
                 raise HicachedError(
                     "no_space", f"pinning more would exceed pool.max_pinned_fraction; {n} pages pinned"
                 )
@@ -977,15 +1088,18 @@ class Tiers:
         return n
 
     def pin_entry(self, entry: Entry, limit: float | None = None) -> bool:
-        """Pins one page unless that would pass `limit` bytes of pins (default: pool.max_pinned_fraction)."""
+        """Pins one page unless that would pass `limit` bytes of pins (default: pool.max_pinned_fraction of
+        its arena: a tenant's pins are bounded within its own pool)."""
         if entry.pinned:
             return True
+        arena = entry.cls.arena
         if limit is None:
-            limit = self.cfg.pool.max_pinned_fraction * self.index.alloc.capacity
-        if self.pinned_bytes + entry.cls.slot_bytes > limit:
+            limit = self.cfg.pool.max_pinned_fraction * self.index.allocs[arena].capacity
+        if self.arena_pinned[arena] + entry.cls.slot_bytes > limit:
             return False
         entry.pinned = True
         self.pinned_bytes += entry.cls.slot_bytes
+        self.arena_pinned[arena] += entry.cls.slot_bytes
         self.index.update(entry)
         return True
 
@@ -996,6 +1110,7 @@ class Tiers:
             if entry is not None and entry.pinned:
                 entry.pinned = False
                 self.pinned_bytes -= entry.cls.slot_bytes
+                self.arena_pinned[entry.cls.arena] -= entry.cls.slot_bytes
                 self.index.update(entry)
                 n += 1
         return n
@@ -1026,7 +1141,8 @@ class Tiers:
                     break
 
     def _no_room(self) -> bool:
-        return bool(self.index.dirty) and self.index.evictable_bytes == 0 and not self.index.alloc.free_slabs
+        free_slabs = any(a.free_slabs for a in self.index.allocs)
+        return bool(self.index.dirty) and self.index.evictable_bytes == 0 and not free_slabs
 
     def stats(self, pool: dict | None = None) -> dict:
         """`pool`: the index's counts, if taken already (PageIndex.stats_sliced); else taken here."""

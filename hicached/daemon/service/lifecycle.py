@@ -18,7 +18,7 @@ from hicached.config.diff import plan
 from hicached.connectors import BackendError, Connector, build
 from hicached.daemon.l2 import headers as slot_headers
 from hicached.daemon.l2 import keep
-from hicached.daemon.l2.pool import Pool, available_memory, check_capacity, check_kept_fd
+from hicached.daemon.l2.pool import Pool, arena_sizes, available_memory, check_capacity, check_kept_fd
 from hicached.daemon.sched import warmup
 from hicached.daemon.sched.tiers import Tiers
 from hicached.daemon.server.listener import Server
@@ -116,13 +116,15 @@ class Daemon:
             self.pool, snapshot, headers = kept
         else:
             await self._memory_for_pool()
+            tenants = {name: t.capacity for name, t in cfg.tenants.items()}
+            arenas = arena_sizes(tenants, cfg.pool.capacity, cfg.pool.slab_size)
             try:
-                self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault)
+                self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault, arenas=arenas)
             except MemoryError as e:
                 raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
         self.tiers = Tiers(cfg, self.pool, None)
-        if headers is None and self.notifier.enabled:
+        if headers is None and self.notifier.enabled and not self.tiers.tenanted:
             # Only under a service manager: without one to keep them over a crash nothing reads them.
             headers = slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
         self.headers = headers
@@ -201,6 +203,17 @@ class Daemon:
         meta_fds = take_passed(keep.META_FDNAME)
         if not pool_fds and not index_fds and not meta_fds:
             return None
+        if self.cfg.tenants:
+            for fd in pool_fds + index_fds + meta_fds:
+                os.close(fd)
+            for name in keep.FDNAMES:
+                self.notifier.remove_stored_fd(name)
+            log.warning(
+                "the L2 pool kept over the restart is not used: with [tenants], each tenant has a pool of "
+                "its own, and those are not kept over a restart yet; starting with fresh pools (the warm "
+                "list refills them from L3)"
+            )
+            return None
         # Whatever comes of it, the snapshot goes: a later start (after a crash) must not be handed one that
         # no longer describes the pool. The pool and its slot headers stay stored while they are this
         # daemon's (a crash keeps them), and go if they are not used: systemd would keep their memory.
@@ -252,7 +265,7 @@ class Daemon:
     def _store_l2(self) -> None:
         """The pool and its slot headers go to systemd's fd store at start and stay there while the daemon
         runs: after a crash the next start gets them back and rebuilds the index from the headers."""
-        if not self.notifier.enabled:
+        if not self.notifier.enabled or self.tiers.tenanted:  # tenants' pools are not kept yet
             return
         if not _fd_store_has_room():
             return
@@ -266,6 +279,9 @@ class Daemon:
         """Hands the pool memfd and a snapshot of its index to systemd's fd store, for the next start to
         serve the same pages (a planned restart keeps L2). Only under systemd, after a full start-up."""
         if not self.notifier.enabled or not self._started or self.pool is None or self.tiers is None:
+            return
+        if self.tiers.tenanted:
+            log.info("L2 is not kept over this restart: tenants' pools are not kept yet")
             return
         if not _fd_store_has_room():
             return
@@ -600,6 +616,7 @@ class Daemon:
         was_write_back = self.tiers.write_back
         self.cfg = cfg
         self.tiers.cfg = cfg
+        self.tiers.retenant()  # namespaces that moved to another tenant leave the old one's pool
         self.server.cfg = cfg
         self.tiers.backend.cfg = cfg
         st = cfg.storage
@@ -709,11 +726,11 @@ class Daemon:
         """One line for `systemctl status`. The outcome of the last reload comes last: a long reason is what
         the notifier cuts, not the figures."""
         idx = self.tiers.index
-        used = sum(c.used * c.slot_bytes for c in idx.alloc.classes.values())
-        pct = 100.0 * used / idx.alloc.capacity
+        used = idx.used_bytes()
+        pct = 100.0 * used / idx.capacity
         return (
             f"backend {self.tiers.backend.configured} ({self.tiers.backend.state}); "
-            f"pool {pct:.0f}% of {idx.alloc.capacity >> 20} MiB, {len(idx.entries)} pages; "
+            f"pool {pct:.0f}% of {idx.capacity >> 20} MiB, {len(idx.entries)} pages; "
             f"pid {os.getpid()}; last reload: {self.last_reload}"
         )
 

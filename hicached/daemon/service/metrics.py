@@ -102,9 +102,9 @@ class DaemonCollector(Collector):
         evictions = CounterMetricFamily("hicached_evictions", "Pages evicted from L2")
         evictions.add_metric([], idx.counters.get("evictions", 0))
         yield evictions
-        used = sum(c.used * c.slot_bytes for c in idx.alloc.classes.values())
+        used = idx.used_bytes()
         for name, doc, value in (
-            ("hicached_pool_capacity_bytes", "L2 pool capacity", idx.alloc.capacity),
+            ("hicached_pool_capacity_bytes", "L2 pool capacity", idx.capacity),
             ("hicached_pool_used_bytes", "L2 bytes in slots in use", used),
             ("hicached_pool_pages", "Pages in L2", len(idx.entries)),
             ("hicached_pool_reserved_bytes", "L2 bytes in slots held ahead for stores", idx.reserved_bytes),

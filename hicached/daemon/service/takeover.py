@@ -371,6 +371,11 @@ class Endpoint:
         if self._busy or d.should_exit.is_set() or d.tiers is None:
             await self._refuse(conn, pid, "the daemon is already being taken over or stopping")
             return
+        if d.tiers.tenanted:
+            await self._refuse(
+                conn, pid, "this daemon has [tenants], whose pools a takeover does not carry yet: restart it"
+            )
+            return
         mine = describe(d.pool.size, d.cfg.pool.slab_size)
         why = (
             mismatch(mine, hello)
