@@ -18,6 +18,7 @@ from daemon_proc import to_toml
 from hicached import config
 from hicached.common import protocol
 from hicached.common.errors import HicachedError
+from hicached.daemon.server.listener import Server
 from hicached.daemon.server.tenants import TenantTable
 from hicached.daemon.service.lifecycle import Daemon
 from hicached.engine.client import AsyncClient, _connect, control
@@ -285,3 +286,22 @@ async def test_a_side_connection_through_a_tenant_socket_attaches_only_to_that_t
         answer = await asyncio.to_thread(attempt, d)
     assert answer["error"]["code"] == "unauthorized", answer
     assert "tenant 't''s socket can only serve a connection of that tenant" in answer["error"]["message"]
+
+
+async def test_a_hand_over_passes_the_tenant_sockets_and_the_next_server_matches_them_by_path(tmp_path):
+    """Takeover: the old server hands over server.socket's listening socket and the tenants', still open;
+    the next one listens on them (engines that connect meanwhile wait in their backlogs), binding nothing."""
+    async with daemon(tmp_path) as d:
+        socks = await d.server.hand_over(1.0)
+        assert [s.getsockname() for s in socks] == [d.server.path, d.tenant_socket]
+        waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        waiting.connect(d.tenant_socket)  # in the backlog, for the next server
+        waiting.close()
+        nxt = Server(d.cfg, d.tiers)
+        await nxt.start(socks[0], owns_path=True, handed=list(reversed(socks[1:])))
+        try:
+            assert (await asyncio.to_thread(control, d.tenant_socket, "status", 10.0))["tenant"] == "t"
+            assert (await asyncio.to_thread(control, d.server.path, "status", 10.0))["connections"] == 1
+        finally:
+            await nxt.stop(1.0)
+        assert not os.path.exists(d.tenant_socket) and not os.path.exists(d.server.path)
