@@ -121,6 +121,7 @@ class Board:
         weakref.finalize(self, os.close, fd)
         self._words = np.frombuffer(self.mm, dtype=np.uint64)
         self._free = list(range(slots - 1, -1, -1))
+        self._taken: set[int] = set()  # only these are freed (a request may name any slot: tests, adapters)
         self._settling: set[int] = set()  # slots whose requests are being settled (hold)
         self._answered: set[int] = set()  # of those, the ones whose answers came meanwhile
         self._lock = threading.Lock()
@@ -134,6 +135,7 @@ class Board:
                     BUSY, f"{self.slots} region requests are in flight on this connection: wait for some"
                 )
             slot = self._free.pop()
+            self._taken.add(slot)
         self._words[slot] = 0  # before the request is sent (a system call: every store is seen by then)
         return slot
 
@@ -143,8 +145,14 @@ class Board:
         with self._lock:
             if slot in self._settling:
                 self._answered.add(slot)
-            else:
+            elif slot in self._taken:
+                self._taken.discard(slot)
                 self._free.append(slot)
+
+    def owns(self, slot: object) -> bool:
+        """Whether `slot` was taken here for a request (one not taken here is not this board's to settle)."""
+        with self._lock:
+            return slot in self._taken
 
     def hold(self, slot: int) -> None:
         """The slot's request is about to be settled (settle): an answer meanwhile does not free it yet."""
@@ -154,9 +162,10 @@ class Board:
     def unhold(self, slot: int) -> None:
         with self._lock:
             self._settling.discard(slot)
-            if slot in self._answered:
-                self._answered.discard(slot)
+            if slot in self._answered and slot in self._taken:
+                self._taken.discard(slot)
                 self._free.append(slot)
+            self._answered.discard(slot)
 
     def in_use(self) -> int:
         with self._lock:

@@ -320,7 +320,7 @@ class RegionOps:
         next. Called before the request is left to a late answer (which frees the slot only once the settle
         is over: else a new request could take the slot, and the settle cancel that one)."""
         slot = req.get("fence")
-        if slot is None or self.fences is None:
+        if slot is None or self.fences is None or not self.fences.owns(slot):
             return False
         self.fences.hold(slot)
         return True
