@@ -662,7 +662,14 @@ class Client:
                 raise
 
     def store_pages(self, handle: int, page_indices: Sequence[int], keys: Sequence[str]) -> list[bool]:
-        """The daemon copies pages `page_indices` of the region into L2 under `keys` (retried as store)."""
+        """The daemon copies pages `page_indices` of the region into L2 under `keys` (retried as store).
+
+        A host region's request is fenced (hicached.engine.fences): if its answer times out or its connection
+        breaks, the call cancels it and raises only once no copy of it touches the region any more (its jobs
+        have ended, or the daemon process has exited). That wait has no time bound, on purpose: a copy that
+        may still run cannot be declared over, and the caller reuses the memory once the call failed; a
+        daemon stopped mid-copy holds the call until it continues or exits (logged once after a second).
+        load_pages likewise."""
         return self._call(
             lambda w: w.ops.op_store_pages(self._regions.daemon_handle(handle, w.gen), page_indices, keys),
             retry=True,
@@ -672,7 +679,8 @@ class Client:
         self, handle: int, page_indices: Sequence[int], keys: Sequence[str], fetch: bool = True
     ) -> int:
         """The daemon fills pages `page_indices` of the region with the leading hits of `keys` (retried as
-        load); with `fetch` False, of what L2 holds only (no L3 read)."""
+        load); with `fetch` False, of what L2 holds only (no L3 read). A time-out or a broken connection
+        raises only once no copy of the request touches the region (store_pages: no time bound)."""
         return self._call(
             lambda w: w.ops.op_load_pages(
                 self._regions.daemon_handle(handle, w.gen), page_indices, keys, fetch
