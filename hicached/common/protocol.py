@@ -37,6 +37,11 @@ Regions (requests on an engine connection, after hello):
   (page i's segment j at offset + i * stride; lengths add up to page_bytes; L2 holds their concatenation).
 - `region_detach {handle}`; `store_pages {handle, page_indices, keys} -> {ok: [bool]}`;
   `load_pages {handle, page_indices, keys, fetch=true} -> {n}` (leading hits copied into the region).
+- Fences (hicached.common.fence): `region_attach {kind: "fence", token, slots}` on a side connection, with a
+  memfd sealed against shrinking of `slots` 8-byte words, registers the connection's fence board (again:
+  in place of the first); `store_pages` / `load_pages` of a host region may then carry `fence: <slot>`.
+  Each copy job of the request counts itself in and out of that word, and copies nothing once the engine
+  set its CANCELLED bit; the request then fails (`copy_failed`; a store commits nothing).
 """
 
 from __future__ import annotations
