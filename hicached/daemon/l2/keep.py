@@ -37,6 +37,19 @@ INDEX_FDNAME = "hicached-l2-index"
 # daemon runs.
 META_FDNAME = "hicached-l2-meta"
 FDNAMES = (POOL_FDNAME, INDEX_FDNAME, META_FDNAME)
+
+
+def tenant_fdname(name: str, tenant: str) -> str:
+    """The fd store name of a tenant's pool or of its index snapshot (with [tenants], each tenant's pool is
+    kept on its own: POOL_FDNAME.TENANT beside INDEX_FDNAME.TENANT)."""
+    return f"{name}.{tenant}"
+
+
+def is_kept_fdname(name: str) -> bool:
+    """Whether an fd store name is one of L2's (untenanted or a tenant's): never a socket to listen on."""
+    return name in FDNAMES or any(name.startswith(n + ".") for n in (POOL_FDNAME, INDEX_FDNAME))
+
+
 FORMAT = 1
 MAGIC = b"HICL2IDX"
 _HEADER = struct.Struct("<8sIQQ")  # magic, format, body length, xxh3-64 of the body
@@ -222,10 +235,12 @@ def check(snap: Snapshot, pool_bytes: int, slab_bytes: int, inode: int) -> None:
 # Taking a snapshot of a running daemon's L2 (at shutdown, once nothing changes it any more).
 
 
-def take(tiers: Tiers, pool: Pool, l3: str | None) -> Snapshot:
-    """Every ready page of L2, with the allocator's slabs and the slots handed out but not filled."""
+def take(tiers: Tiers, pool: Pool, l3: str | None, arena: int = 0) -> Snapshot:
+    """Every ready page of L2, with the allocator's slabs and the slots handed out but not filled: of one
+    arena of the pool (a tenant's, with [tenants]), with offsets within that arena's memfd."""
     index = tiers.index
-    alloc = index.alloc
+    alloc = index.allocs[arena]
+    base = alloc.base
     owed_elsewhere = tiers.stranded | tiers.backup.abandoned | tiers.backup.dropped
     lru = [e for lst in index.lru_lists() for e in lst.values()]  # each class's least recent first
     # Pages outside the LRU (pinned, owed to L3) first: they were in use more recently than most.
@@ -233,13 +248,13 @@ def take(tiers: Tiers, pool: Pool, l3: str | None) -> Snapshot:
     ready = [e for e in index.entries.values() if e.state is READY and id(e) not in listed]
     pages = []
     for e in ready + lru:
-        if e.state is not READY:
+        if e.state is not READY or e.cls.arena != arena:
             continue
         checksum = e.checksum
         if checksum is None:  # taken as each page entered L2; a page without one is hashed now
             checksum = xxhash.xxh3_64_intdigest(pool.slot(e.offset, e.size))
         owed = e.dirty or e in owed_elsewhere
-        pages.append(KeptPage(e.ns, e.key, e.offset, e.size, checksum, e.in_l3, owed, e.pinned))
+        pages.append(KeptPage(e.ns, e.key, e.offset - base, e.size, checksum, e.in_l3, owed, e.pinned))
     slabs = [0] * alloc.nslabs
     for cls in alloc.classes.values():
         for slab in cls.slabs:
@@ -251,15 +266,16 @@ def take(tiers: Tiers, pool: Pool, l3: str | None) -> Snapshot:
     for cls in alloc.classes.values():
         free = set(cls.free)
         for slab in cls.slabs:
-            held += [o for o in alloc.slots_of(slab) if o not in free and o not in kept]
+            held += [o - base for o in alloc.slots_of(slab) if o not in free and o - base not in kept]
+    memory = pool.arenas[arena]
     return Snapshot(
         alloc.capacity,
-        pool.size,
+        memory.size,
         alloc.slab_bytes,
         slabs,
         pages,
         held,
-        pool.inode,
+        os.fstat(memory.fd).st_ino,
         l3,
         time.clock_gettime(time.CLOCK_MONOTONIC),
     )
@@ -300,10 +316,11 @@ def read_fd(fd: int, max_bytes: int = MAX_SNAPSHOT_BYTES) -> bytes:
 # Restoring.
 
 
-def verify(view: memoryview, pages: list[KeptPage]) -> list[bool]:
-    """Whether each page's payload in the pool still hashes to its checksum. Runs on a thread."""
+def verify(view: memoryview, pages: list[KeptPage], base: int = 0) -> list[bool]:
+    """Whether each page's payload in the pool (its arena from `base`) still hashes to its checksum. Runs
+    on a thread."""
     h = xxhash.xxh3_64_intdigest
-    return [h(view[p.offset : p.offset + p.size]) == p.checksum for p in pages]
+    return [h(view[base + p.offset : base + p.offset + p.size]) == p.checksum for p in pages]
 
 
 @dataclass
@@ -317,15 +334,16 @@ class Restored:
 
 
 async def restore(
-    tiers: Tiers, pool: Pool, snap: Snapshot, slice_bytes: int = VERIFY_SLICE_BYTES
+    tiers: Tiers, pool: Pool, snap: Snapshot, slice_bytes: int = VERIFY_SLICE_BYTES, arena: int = 0
 ) -> Restored:
-    """Fills a fresh Tiers (nothing in its index yet, no backend attached yet) from `snap` over the kept
-    pool. Every page's payload is verified first, on a thread, in slices (the loop stays free for
-    signals); the index is filled once all are, before the daemon listens: a page is never served
-    unverified, and nothing sees the allocator half rebuilt. A page that does not verify is dropped,
-    counted (keep.dropped) and its slot freed."""
+    """Fills a fresh Tiers (nothing in its index yet, or in that arena, no backend attached yet) from `snap`
+    over the kept pool (`arena`: the arena of the pool it describes, a tenant's). Every page's payload is
+    verified first, on a thread, in slices (the loop stays free for signals); the index is filled once all
+    are, before the daemon listens: a page is never served unverified, and nothing sees the allocator half
+    rebuilt. A page that does not verify is dropped, counted (keep.dropped) and its slot freed."""
     start = time.perf_counter()
     loop = asyncio.get_running_loop()
+    base = pool.arenas[arena].base
     ok: list[bool] = []
     batch: list[KeptPage] = []
     nbytes = 0
@@ -333,21 +351,25 @@ async def restore(
         batch.append(p)
         nbytes += p.size
         if nbytes >= slice_bytes:
-            ok += await loop.run_in_executor(None, verify, pool.view, batch)
+            ok += await loop.run_in_executor(None, verify, pool.view, batch, base)
             batch, nbytes = [], 0
     if batch:
-        ok += await loop.run_in_executor(None, verify, pool.view, batch)
-    out = fill(tiers, snap, ok)
+        ok += await loop.run_in_executor(None, verify, pool.view, batch, base)
+    out = fill(tiers, snap, ok, arena)
     out.seconds = time.perf_counter() - start
     return out
 
 
-def fill(tiers: Tiers, snap: Snapshot, ok: list[bool]) -> Restored:
+def fill(tiers: Tiers, snap: Snapshot, ok: list[bool], arena: int = 0) -> Restored:
     """The allocator's slabs and the index's entries as `snap` had them, for the pages whose `ok` is
-    true; the slots held at shutdown stay out of use for the rest of their quarantine."""
+    true; the slots held at shutdown stay out of use for the rest of their quarantine. `arena`: the arena
+    of the pool the snapshot describes (its offsets are within it). A page of a namespace that another
+    tenant holds now (the tenants' namespaces changed over the restart) is not served: dropped."""
     index = tiers.index
-    alloc = index.alloc
-    if len(index.entries) or alloc.nslabs != len(snap.slabs) or len(alloc.free_slabs) != alloc.nslabs:
+    alloc = index.allocs[arena]
+    base = alloc.base
+    fresh = not any(c.used for c in alloc.classes.values())
+    if not fresh or alloc.nslabs != len(snap.slabs) or len(alloc.free_slabs) != alloc.nslabs:
         raise RuntimeError("a snapshot is restored into a fresh index of the same geometry only")
     assigned = [s for s, slot in enumerate(snap.slabs) if slot]
     # move_slab takes a free slab with list.remove: put the slabs given out first, so each is found at once.
@@ -357,8 +379,16 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool]) -> Restored:
         alloc.move_slab(slab, alloc.size_class(snap.slabs[slab]))
     now = time.clock_gettime(time.CLOCK_MONOTONIC)
     quarantine = HELD_QUARANTINE_S - (now - snap.written)
-    held = snap.held if quarantine > 0 else []
-    used = {p.offset for p, good in zip(snap.pages, ok, strict=True) if good}
+    held = [o + base for o in snap.held] if quarantine > 0 else []
+    moved = {p.ns for p in snap.pages if tiers.arena_of(p.ns) != arena}
+    ok = [good and p.ns not in moved for p, good in zip(snap.pages, ok, strict=True)]
+    if moved:
+        log.warning(
+            "kept pages of %d namespaces (%s) are not served again: they belong to another tenant now",
+            len(moved),
+            ", ".join(sorted(moved)[:5]),
+        )
+    used = {p.offset + base for p, good in zip(snap.pages, ok, strict=True) if good}
     used.update(held)
     for cls in alloc.classes.values():
         keep = [o for o in cls.free if o not in used]
@@ -372,7 +402,7 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool]) -> Restored:
             continue
         if tiers.namespaces.setdefault(p.ns, p.size) != p.size:
             raise RuntimeError(f"namespace {p.ns} already holds pages of another size")
-        entry = index.entry_at(p.ns, p.key, p.size, index.size_class(p.size), p.offset, READY)
+        entry = index.entry_at(p.ns, p.key, p.size, index.size_class(p.size, arena), p.offset + base, READY)
         entry.checksum = p.checksum
         entry.in_l3 = p.in_l3
         if p.owed and not p.in_l3 and configured:
@@ -387,21 +417,24 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool]) -> Restored:
         out.entries.append(entry)
     out.pages = len(out.entries)
     if held:
-        _hold(tiers, snap, held, quarantine)
+        _hold(tiers, snap, held, quarantine, arena)
     tiers.counters["keep.pages"] += out.pages
     tiers.counters["keep.dropped"] += out.dropped
     return out
 
 
-def _hold(tiers: Tiers, snap: Snapshot, held: list[int], seconds: float) -> None:
-    """Placeholders in the held slots: leased (never evicted), listed by offset (so no slab holding one is
-    moved to another class), under a namespace no engine can name; freed when the quarantine ends."""
+def _hold(tiers: Tiers, snap: Snapshot, held: list[int], seconds: float, arena: int = 0) -> None:
+    """Placeholders in the held slots (pool offsets, in `arena`): leased (never evicted), listed by offset
+    (so no slab holding one is moved to another class), under a namespace no engine can name; freed when
+    the quarantine ends."""
     index = tiers.index
     slab_bytes = snap.slab_bytes
+    base = index.allocs[arena].base
     entries = []
     for offset in held:
-        slot = snap.slabs[offset // slab_bytes]
-        entry = index.entry_at(_HELD_NS, str(offset), slot, index.size_class(slot), offset, QUARANTINED)
+        slot = snap.slabs[(offset - base) // slab_bytes]
+        cls = index.size_class(slot, arena)
+        entry = index.entry_at(_HELD_NS, str(offset), slot, cls, offset, QUARANTINED)
         entry.leases = 1
         entries.append(entry)
 

@@ -154,7 +154,8 @@ class Pool:
     With `fd`, the pool is that memfd (a previous daemon's pool, kept by systemd's file-descriptor store
     over a restart: see hicached.daemon.l2.keep), checked by check_kept_fd first; the Pool owns it then.
     With `arenas` ((name, bytes) pairs, more than one), the pool is one memfd an arena, mapped back to back
-    (their sizes multiples of the page size); `size` is then their sum."""
+    (their sizes multiples of the page size); `size` is then their sum. `kept`: arena name -> a previous
+    daemon's memfd of that arena (checked by check_kept_fd first), owned by the Pool from here on."""
 
     def __init__(
         self,
@@ -163,12 +164,15 @@ class Pool:
         name: str = "hicached-l2",
         fd: int | None = None,
         arenas: list[tuple[str, int]] | None = None,
+        kept: dict[str, int] | None = None,
     ) -> None:
         if arenas is not None and len(arenas) > 1:
             if fd is not None:
                 raise ValueError("a pool of several arenas cannot be a kept memfd")
-            self._init_arenas(arenas, prefault, name)
+            self._init_arenas(arenas, prefault, name, dict(kept or {}))
             return
+        if kept and arenas:
+            fd = kept.pop(arenas[0][0], fd)
         if arenas:
             size = arenas[0][1]  # one tenant holds the whole pool: its one memfd
         if size <= 0:
@@ -191,26 +195,31 @@ class Pool:
         self.arenas = [Arena(0, arena_name, 0, size, fd)]
         self._addr = 0  # set for a pool of arenas: the start of the range they are mapped in
 
-    def _init_arenas(self, arenas: list[tuple[str, int]], prefault: bool, name: str) -> None:
+    def _init_arenas(
+        self, arenas: list[tuple[str, int]], prefault: bool, name: str, kept: dict[str, int]
+    ) -> None:
         page = mmap.PAGESIZE
-        if any(n <= 0 or n % page for _, n in arenas):
-            raise ValueError(f"each arena must be a positive multiple of {page} bytes")
-        if len({a for a, _ in arenas}) != len(arenas):
-            raise ValueError("arena names must differ")
-        self.size = sum(n for _, n in arenas)
-        self.kept = False
-        self.fd = -1  # no single memfd: see arenas
         self.arenas = []
         self._addr = 0
         try:
+            if any(n <= 0 or n % page for _, n in arenas):
+                raise ValueError(f"each arena must be a positive multiple of {page} bytes")
+            if len({a for a, _ in arenas}) != len(arenas) or set(kept) - {a for a, _ in arenas}:
+                raise ValueError("arena names must differ, and each kept memfd be of one of them")
+            self.size = sum(n for _, n in arenas)
+            self.kept = bool(kept)
+            self.fd = -1  # no single memfd: see arenas
             base = 0
             for i, (arena, n) in enumerate(arenas):
-                self.arenas.append(Arena(i, arena, base, n, _new_memfd(f"{name}-{arena}", n)))
+                fd = kept.pop(arena, None)
+                self.arenas.append(
+                    Arena(i, arena, base, n, _new_memfd(f"{name}-{arena}", n) if fd is None else fd)
+                )
                 base += n
             self._addr = _map_arenas(self.arenas, self.size, prefault)
         except BaseException:
-            for a in self.arenas:
-                os.close(a.fd)
+            for fd in [a.fd for a in self.arenas] + list(kept.values()):
+                os.close(fd)
             self.arenas = []
             raise
         self.mm = (ctypes.c_ubyte * self.size).from_address(self._addr)

@@ -24,7 +24,7 @@ from hicached.daemon.sched.tiers import Tiers
 from hicached.daemon.server.listener import Server
 from hicached.daemon.service import takeover
 from hicached.daemon.service.metrics import MetricsServer
-from hicached.daemon.service.notify import Notifier, fd_store_max, take_passed, watchdog_interval
+from hicached.daemon.service.notify import Notifier, fd_store_max, passed_fds, take_passed, watchdog_interval
 
 log = logging.getLogger("hicached.daemon")
 
@@ -61,6 +61,7 @@ class Daemon:
         self._warm_pending: list[warmup.WarmPage] | None = None
         self._snapshot_task: asyncio.Task[Any] | None = None
         self.restored: keep.Restored | None = None  # L2 taken back from systemd's fd store at start
+        self._kept_snapshots: dict[int, keep.Snapshot] = {}  # arena -> its kept snapshot ([tenants])
         self.headers: slot_headers.Headers | None = None  # the pool's slot headers (what a crash keeps)
         self.takeover: takeover.Endpoint | None = None  # where a new instance asks to take over from this one
 
@@ -162,6 +163,8 @@ class Daemon:
                 r.dropped,
                 r.owed,
             )
+        if self._kept_snapshots:
+            await self._restore_tenants()
         await self._attach_configured(startup=True)
         if self.restored is not None:
             keep.after_attach(self.tiers, self.restored)
@@ -201,18 +204,19 @@ class Daemon:
         fd store, when they describe a pool of this configuration; None otherwise (one log line says why)."""
         pool_fds, index_fds = take_passed(keep.POOL_FDNAME), take_passed(keep.INDEX_FDNAME)
         meta_fds = take_passed(keep.META_FDNAME)
-        if not pool_fds and not index_fds and not meta_fds:
-            return None
         if self.cfg.tenants:
             for fd in pool_fds + index_fds + meta_fds:
                 os.close(fd)
-            for name in keep.FDNAMES:
-                self.notifier.remove_stored_fd(name)
-            log.warning(
-                "the L2 pool kept over the restart is not used: with [tenants], each tenant has a pool of "
-                "its own, and those are not kept over a restart yet; starting with fresh pools (the warm "
-                "list refills them from L3)"
-            )
+            if pool_fds or index_fds or meta_fds:
+                for name in keep.FDNAMES:
+                    self.notifier.remove_stored_fd(name)
+                log.warning(
+                    "the L2 pool kept over the restart is not used: it was one pool for every engine, and "
+                    "[tenants] give each tenant a pool of its own; starting with fresh pools"
+                )
+            return self._take_kept_tenants()
+        self._drop_kept_tenants()
+        if not pool_fds and not index_fds and not meta_fds:
             return None
         # Whatever comes of it, the snapshot goes: a later start (after a crash) must not be handed one that
         # no longer describes the pool. The pool and its slot headers stay stored while they are this
@@ -229,6 +233,84 @@ class Daemon:
                 e,
             )
             return None
+
+    def _take_kept_tenants(self) -> tuple[Pool, None, None] | None:
+        """With [tenants]: each tenant's pool kept over the restart with its index snapshot (systemd's fd
+        store: POOL_FDNAME.TENANT, INDEX_FDNAME.TENANT), taken back where both describe that tenant's pool
+        of this configuration; the others start empty. The pool of every tenant, kept or fresh; its kept
+        snapshots wait in _kept_snapshots for the restore. None when nothing was kept."""
+        cfg = self.cfg
+        tenants = {name: t.capacity for name, t in cfg.tenants.items()}
+        arenas = arena_sizes(tenants, cfg.pool.capacity, cfg.pool.slab_size) or []
+        kept: dict[str, int] = {}
+        snapshots: dict[str, keep.Snapshot] = {}
+        for name, size in arenas:
+            pool_name, index_name = (
+                keep.tenant_fdname(n, name) for n in (keep.POOL_FDNAME, keep.INDEX_FDNAME)
+            )
+            pool_fds, index_fds = take_passed(pool_name), take_passed(index_name)
+            if not pool_fds and not index_fds:
+                continue
+            self.notifier.remove_stored_fd(index_name)  # a later start must not pair it with another pool
+            self.notifier.remove_stored_fd(pool_name)  # ours from here: stored again at the next stop
+            try:
+                if len(pool_fds) != 1 or len(index_fds) != 1:
+                    raise ValueError(
+                        f"{len(pool_fds)} pool fds and {len(index_fds)} index fds were passed, not 1 each"
+                    )
+                check_kept_fd(pool_fds[0], size)
+                snap = keep.decode(keep.read_fd(index_fds[0]))
+                keep.check(snap, size, cfg.pool.slab_size, os.fstat(pool_fds[0]).st_ino)
+                kept[name], snapshots[name] = pool_fds.pop(), snap
+            except (ValueError, OSError) as e:
+                log.warning(
+                    "tenant %s's L2 pool kept over the restart is not used: %s; it starts empty", name, e
+                )
+            finally:
+                for fd in pool_fds + index_fds:
+                    os.close(fd)
+        self._drop_kept_tenants()
+        if not kept:
+            return None
+        try:
+            pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault, arenas=arenas, kept=kept)
+        except (ValueError, OSError, MemoryError) as e:
+            log.warning("the tenants' L2 pools kept over the restart are not used: %s; starting empty", e)
+            return None
+        self._kept_snapshots = {pool.arena(name).index: snap for name, snap in snapshots.items()}
+        return pool, None, None
+
+    def _drop_kept_tenants(self) -> None:
+        """Tenants' pools kept for a configuration that no longer has them: let go (systemd keeps their
+        memory while they are stored)."""
+        for name in [n for n in passed_fds() if keep.is_kept_fdname(n) and n not in keep.FDNAMES]:
+            for fd in take_passed(name):
+                os.close(fd)
+            self.notifier.remove_stored_fd(name)
+            log.info("dropped %s kept over the restart: no such tenant's pool now", name)
+
+    async def _restore_tenants(self) -> None:
+        """The tenants' kept pools (_take_kept_tenants) served again, each verified as keep.restore does."""
+        snapshots, self._kept_snapshots = self._kept_snapshots, {}
+        for arena, snap in sorted(snapshots.items()):
+            r = await keep.restore(self.tiers, self.pool, snap, arena=arena)
+            total = self.restored
+            if total is None:
+                total = self.restored = keep.Restored(l3=r.l3)
+            total.pages += r.pages
+            total.dropped += r.dropped
+            total.owed += r.owed
+            total.seconds += r.seconds
+            total.entries += r.entries
+            log.info(
+                "tenant %s's L2 kept over the restart: %d pages served again after %.2fs of verifying; %d "
+                "did not verify and were dropped; %d are owed to L3 and queued for it",
+                self.pool.arenas[arena].name,
+                r.pages,
+                r.seconds,
+                r.dropped,
+                r.owed,
+            )
 
     def _adopt_kept(
         self, pool_fds: list[int], index_fds: list[int], meta_fds: list[int] | None = None
@@ -281,7 +363,7 @@ class Daemon:
         if not self.notifier.enabled or not self._started or self.pool is None or self.tiers is None:
             return
         if self.tiers.tenanted:
-            log.info("L2 is not kept over this restart: tenants' pools are not kept yet")
+            self._keep_tenants()
             return
         if not _fd_store_has_room():
             return
@@ -302,6 +384,31 @@ class Daemon:
                 )
         finally:
             os.close(fd)
+
+    def _keep_tenants(self) -> None:
+        """_keep_l2 with [tenants]: each tenant's pool and its index snapshot, stored on their own."""
+        if not _fd_store_has_room(2 * len(self.pool.arenas)):
+            return
+        conn = self.tiers.connector
+        l3 = repr(conn.location()) if conn is not None else None
+        for a in self.pool.arenas:
+            try:
+                snapshot = keep.take(self.tiers, self.pool, l3, arena=a.index)
+                fd = keep.to_memfd(keep.encode(snapshot))
+            except OSError as e:
+                log.warning("could not write the snapshot of tenant %s's L2 (%s): not kept", a.name, e)
+                continue
+            try:
+                if self.notifier.store_fd(keep.tenant_fdname(keep.INDEX_FDNAME, a.name), fd) and (
+                    self.notifier.store_fd(keep.tenant_fdname(keep.POOL_FDNAME, a.name), a.fd)
+                ):
+                    log.info(
+                        "tenant %s's L2 (%d pages) and its index handed to the service manager's fd store",
+                        a.name,
+                        len(snapshot.pages),
+                    )
+            finally:
+                os.close(fd)
 
     def l2_snapshot(self) -> tuple[keep.Snapshot, int]:
         """A snapshot of L2's index, and a sealed memfd holding it (the caller's to close); once nothing
@@ -735,14 +842,14 @@ class Daemon:
         )
 
 
-def _fd_store_has_room() -> bool:
+def _fd_store_has_room(needed: int = len(keep.FDNAMES)) -> bool:
     """Whether the unit's fd store takes what keeping L2 hands it; a warning says so when it does not."""
     room = fd_store_max()
-    if room is not None and room < len(keep.FDNAMES):
+    if room is not None and room < needed:
         log.warning(
             "the unit's FileDescriptorStoreMax= is %d; keeping L2 over a restart takes %d: L2 not kept",
             room,
-            len(keep.FDNAMES),
+            needed,
         )
         return False
     return True

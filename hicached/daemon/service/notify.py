@@ -15,7 +15,7 @@ import re
 import socket
 import time
 
-from hicached.daemon.l2.keep import FDNAMES
+from hicached.daemon.l2.keep import is_kept_fdname
 
 log = logging.getLogger("hicached.notify")
 
@@ -169,9 +169,9 @@ def listen_socket(reserved: tuple[str, ...] = ()) -> socket.socket | None:
     """The listening Unix socket passed by systemd socket activation, if any ($LISTEN_FDS, $LISTEN_PID):
     the first passed fd not named in `reserved` (names of fds the daemon stored itself: they stay for
     take_passed). Other passed fds not reserved are closed: only one socket is used."""
-    reserved = reserved or FDNAMES
     fds = passed_fds()
-    others = [fd for name in list(fds) if name not in reserved for fd in sorted(fds.pop(name))]
+    kept = (lambda name: name in reserved) if reserved else is_kept_fdname
+    others = [fd for name in list(fds) if not kept(name) for fd in sorted(fds.pop(name))]
     if not others:
         return None
     others.sort()
