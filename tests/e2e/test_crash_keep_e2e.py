@@ -13,8 +13,8 @@ import time
 
 import pytest
 from churn import page_of
-from daemon_proc import DaemonProcess
 from systemd_notify import NotifySocket
+from systemd_unit import SystemdDaemon
 
 from hicached.daemon.l2 import headers as hd
 from hicached.daemon.l2 import keep
@@ -27,49 +27,10 @@ SLAB = 4 << 20  # daemon_proc's pool.slab_size
 SUPPORT = os.path.join(os.path.dirname(__file__), "..", "support")
 
 
-class SystemdDaemon(DaemonProcess):
-    """Started as systemd starts a unit with FileDescriptorStoreMax=: NOTIFY_SOCKET set, and whatever the
-    store holds passed in LISTEN_FDS / LISTEN_FDNAMES / LISTEN_PID."""
-
-    def __init__(self, workdir: str, overrides: dict, store: NotifySocket) -> None:
-        super().__init__(workdir, overrides)
-        self.store = store
-
-    def start(self, timeout: float = 60.0) -> SystemdDaemon:
-        self.store.drain(0.2)  # what the previous instance sent (FDSTORE=1, FDSTOREREMOVE=1) first
-        with open(self.log_path, "ab") as log:
-            self.proc = self.store.launch(
-                [sys.executable, "-m", "hicached", "serve", "--config", self.config_path],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                env={**os.environ, "NOTIFY_SOCKET": self.store.path, "FDSTORE": "4"},
-            )
-        return self.wait_up(timeout)
-
-    def crash(self) -> None:
-        """SIGKILL, then what it sent before dying taken in: its pool and slot headers stay stored."""
-        self.stop(sig=9)
-        self.store.drain(0.2)
-        assert sorted(self.store.names()) == sorted([keep.POOL_FDNAME, keep.META_FDNAME]), self.store.names()
-
-
-@pytest.fixture
-def systemd(tmp_path):
-    store = NotifySocket(str(tmp_path / "notify.sock"))
-    started: list[SystemdDaemon] = []
-
-    def make(overrides: dict | None = None) -> SystemdDaemon:
-        d = SystemdDaemon(str(tmp_path / "d"), overrides or {}, store)
-        started.append(d)
-        return d.start()
-
-    yield make
-    for d in started:
-        if d.alive:
-            d.proc.kill()
-            d.proc.wait()
-    store.close()
+def _crash(d: SystemdDaemon) -> None:
+    """SIGKILL: its pool and slot headers stay stored."""
+    d.crash()
+    assert sorted(d.store.names()) == sorted([keep.POOL_FDNAME, keep.META_FDNAME]), d.store.names()
 
 
 def _stored(store: NotifySocket, name: str) -> int:
@@ -108,7 +69,7 @@ def test_sigkill_under_load_keeps_every_acknowledged_page(systemd, tmp_path, pol
         assert time.monotonic() < deadline, stats["counters"]
         time.sleep(0.1)
     before = d.ctl("stats")["counters"]
-    d.crash()
+    _crash(d)
     d.start()
     for p, _, _ in procs:
         assert p.wait(120) == 0
@@ -171,7 +132,7 @@ def test_damaged_record_or_payload_is_a_miss(systemd):
     d = systemd({"storage": {"backend": "none"}})
     keys = [f"k{i}" for i in range(16)]
     _store(d, "crash.dmg", keys)
-    d.crash()
+    _crash(d)
     pool, h, pages = _records(d.store)
     try:
         rec = pages["k1"]
@@ -199,7 +160,7 @@ def test_crash_with_a_pool_of_another_capacity_is_refused(systemd):
     d = systemd({"storage": {"backend": "none"}})
     keys = [f"k{i}" for i in range(8)]
     _store(d, "crash.cap", keys)
-    d.crash()
+    _crash(d)
     d.config["pool"]["capacity"] = "64MiB"
     d.write_config()
     d.start()
@@ -230,7 +191,7 @@ def test_a_snapshot_older_than_the_headers_is_not_used(systemd):
     assert "8 pages served again" in log and "rebuilt from" not in log, log
     later = [f"b{i}" for i in range(8)]
     _store(d, "crash.old", later)
-    d.crash()
+    _crash(d)
     d.store.stored.append((keep.INDEX_FDNAME, stale))
     d.start()
     assert "older than its slot headers" in d.log() and "rebuilt from 16 slot headers" in d.log(), d.log()

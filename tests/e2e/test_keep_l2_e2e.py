@@ -13,62 +13,14 @@ import time
 
 import pytest
 from churn import page_of
-from daemon_proc import DaemonProcess
 from systemd_notify import NotifySocket
+from systemd_unit import SystemdDaemon
 
 from hicached.daemon.l2 import keep
 from hicached.engine.client import Client, control
 
 PAGE = 32 * 1024
 SUPPORT = os.path.join(os.path.dirname(__file__), "..", "support")
-
-
-class SystemdDaemon(DaemonProcess):
-    """The daemon started as systemd starts a unit with FileDescriptorStoreMax=: NOTIFY_SOCKET set, and
-    whatever the store holds passed in LISTEN_FDS / LISTEN_FDNAMES / LISTEN_PID."""
-
-    def __init__(self, workdir: str, overrides: dict, store: NotifySocket) -> None:
-        super().__init__(workdir, overrides)
-        self.store = store
-        self.sockets: list[tuple[str, int]] = []  # activated sockets, passed before the stored fds
-
-    def start(self, timeout: float = 60.0) -> SystemdDaemon:
-        self.store.drain(
-            0.2
-        )  # what the previous instance sent (FDSTORE=1, FDSTOREREMOVE=1) is taken in first
-        with open(self.log_path, "ab") as log:
-            self.proc = self.store.launch(
-                [sys.executable, "-m", "hicached", "serve", "--config", self.config_path],
-                self.sockets + self.store.stored,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                env={**os.environ, "NOTIFY_SOCKET": self.store.path, "FDSTORE": "4"},
-            )
-        return self.wait_up(timeout)
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = NotifySocket(str(tmp_path / "notify.sock"))
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def systemd(tmp_path, store):
-    started: list[SystemdDaemon] = []
-
-    def make(overrides: dict | None = None) -> SystemdDaemon:
-        d = SystemdDaemon(str(tmp_path / "d"), overrides or {}, store)
-        started.append(d)
-        return d.start()
-
-    yield make
-    for d in started:
-        if d.alive:
-            d.proc.kill()
-            d.proc.wait()
 
 
 def _stop(d: SystemdDaemon) -> None:
