@@ -55,6 +55,15 @@ def overwrite_everything(path: str) -> dict:
         out["open_a"] = f"opened, {n} found"
     except HicachedError as e:
         out["open_a"] = e.code
+    with Client(path, "b.model", PAGE, timeout=30, reconnect=0) as c:
+        st, status = c.stats(), c.status()
+    out["stats"] = {
+        "pool": st.get("pool", {}).get("capacity_bytes"),
+        "slab": st.get("pool", {}).get("slabs", {}).get("slab_bytes"),
+        "counters": "counters" in st,
+        "namespaces": sorted(st.get("namespaces", {})),
+        "status_capacity": status.get("capacity_bytes"),
+    }
     return out
 
 
@@ -106,6 +115,14 @@ def test_a_tenant_that_writes_over_all_it_can_map_never_reaches_another_tenants_
     assert report["written"] == 16 << 20
     assert report["open_a"] == UNAUTHORIZED, report
     assert wrong == 0, report
+    # What B sees of the daemon is its own pool: not the whole pool's figures nor the daemon's counters.
+    assert report["stats"] == {
+        "pool": 16 << 20,
+        "slab": 1 << 20,
+        "counters": False,
+        "namespaces": ["b.model"],
+        "status_capacity": 16 << 20,
+    }, report
 
 
 @pytest.mark.parametrize("tenant", ["a", "default"])

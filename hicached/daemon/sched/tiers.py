@@ -242,6 +242,7 @@ class Tiers:
             "reserved_bytes": self.index.arena_reserved[i],
             "pinned_bytes": self.arena_pinned[i],
             "namespaces": names,
+            "slabs": self.index.allocs[i].stats(),
         }
 
     def retenant(self) -> int:

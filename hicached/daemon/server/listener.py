@@ -764,15 +764,24 @@ class Server:
             }
             return answer
         answer = _only_namespaces(answer, lambda ns: self.tenants.allows(tenant, ns))
+        own = tenant_stats(tenant) if tenant_stats is not None and self.tenants.configured else None
         if op == "status":
             answer["connections"] = self._connections_of(tenant)
             answer["socket"] = self.tenants.tenants[tenant].socket or self.path
             answer["tenant"] = tenant
+            if own is not None:  # its own pool's figures, not the whole pool's
+                answer.update(
+                    pages=own["pages"], capacity_bytes=own["capacity_bytes"], used_bytes=own["used_bytes"]
+                )
             return answer
         answer["server"]["connections"] = self._connections_of(tenant)
         answer["tenant"] = {"name": tenant, **(tenant_stats(tenant) if tenant_stats is not None else {})}
-        if tenant_stats is not None and self.tenants.configured:
-            del answer["pool"]  # the whole pool's figures: every tenant's pages; its own are under `tenant`
+        if own is not None:
+            # The whole pool's figures and the daemon's counters tell of every tenant's pages and traffic:
+            # an engine sees its own pool's (what clients read of `pool`, slabs included) and no more.
+            answer["pool"] = {k: own[k] for k in ("pages", "capacity_bytes", "used_bytes", "slabs")}
+            for k in ("counters", "latency", "backend_counters", "backup", "prefetch", "pinned_bytes"):
+                answer.pop(k, None)
         return answer
 
     async def _view_later(self, op: str, answer: Awaitable[Any], tenant: str | None) -> Any:
