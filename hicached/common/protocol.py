@@ -28,6 +28,10 @@ already, or that the backup queue cannot take, stays reserved). Slots in WRITING
 when the connection closes. `alloc`, `reserve` and `put` are refused while the daemon drains; `commit`
 and `abort` are not.
 
+Recency (after hello): `touch {keys} -> {n}` makes the keys' pages in L2 the most recently used (what the
+engine's own cache just used, so that eviction follows use): no lease, no L3 read, nothing copied; n: how many
+were in L2.
+
 Regions (requests on an engine connection, after hello):
 - `region_attach` with `kind: "cuda"` needs no fd and is sent on the engine connection itself: `cuda` is a
   map of explicit IPC fields `{version: 1, device_uuid, ipc_handle, storage_bytes, storage_offset,
@@ -35,7 +39,8 @@ Regions (requests on an engine connection, after hello):
 - Both kinds: `nbytes` and `offset` (where the region starts in the memfd or the CUDA storage),
   `page_bytes` (the connection's), `num_pages`, and optional `segments: [[offset, length, stride], ...]`
   (page i's segment j at offset + i * stride; lengths add up to page_bytes; L2 holds their concatenation).
-- `region_detach {handle}`; `store_pages {handle, page_indices, keys} -> {ok: [bool]}`;
+- `region_detach {handle}`; `store_pages {handle, page_indices, keys} -> {ok: [bool], copied}` (copied: how
+  many pages the daemon copied; the others it held already, or did not take);
   `load_pages {handle, page_indices, keys, fetch=true} -> {n}` (leading hits copied into the region).
 - Fences (hicached.common.fence): `region_attach {kind: "fence", token, slots}` on a side connection, with a
   memfd sealed against shrinking of `slots` 8-byte words, registers the connection's fence board (again:

@@ -21,7 +21,7 @@ BAD_SCALARS: list[Any] = [
 OPS = [
     "hello", "exists", "present", "alloc", "commit", "abort", "reserve", "put", "acquire", "release",
     "prefetch", "wait", "pin", "unpin", "stats", "status", "region_attach", "region_detach", "store_pages",
-    "load_pages", "backend", "flush", "bogus_op",
+    "load_pages", "backend", "flush", "touch", "bogus_op",
 ] + ["region_attach", "store_pages", "load_pages"] * 2  # fmt: skip
 
 
@@ -168,7 +168,7 @@ class Requests:
                 [FUZZ_PB, FUZZ_PB * 2, 16384, 1, 0, -1, 2**64 - 1, 4 << 20, (4 << 20) + 1, 1.0, True]
             )
             return {"op": op, "namespace": namespace, "page_bytes": page_bytes}
-        if op in ("exists", "present", "alloc", "abort", "pin", "unpin"):
+        if op in ("exists", "present", "alloc", "abort", "pin", "unpin", "touch"):
             return {"op": op, "keys": keys}
         if op == "commit":
             r = {"op": op, "keys": rng.choice([keys, mine.writing_keys, other.writing_keys])}
