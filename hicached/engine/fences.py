@@ -48,8 +48,9 @@ class DaemonProcess:
     no pid-reuse race). The pid is the welcome's (the process that accepted the connection): the socket's
     SO_PEERCRED names the process that called listen(), which is another one after a takeover (the new
     daemon inherits the listening socket) or under systemd's socket activation. Where the two differ
-    because the daemon lives in a pid namespace of its own, SO_PEERCRED's (ours for it) is taken; where the
-    daemon cannot be seen from here at all, `gone()` says False: the wait then ends on its count alone."""
+    because the daemon lives in a pid namespace of its own, SO_PEERCRED's (ours for it) is taken. Once a
+    fence board is registered, the daemon's own pidfd (sent with the board's answer) is watched instead: it
+    works from any pid namespace. Without either, `gone()` says False: the wait ends on its count alone."""
 
     def __init__(self, sock: socket.socket, welcome_pid: object) -> None:
         self.pid = _daemon_pid(sock, welcome_pid)
@@ -61,6 +62,13 @@ class DaemonProcess:
                 self.pid = 0
             else:
                 weakref.finalize(self, os.close, self._fd)
+
+    def watch(self, pidfd: int) -> None:
+        """The daemon's own pidfd, sent with the fence board's answer: it tells the daemon's exit wherever
+        the engine runs (another pid namespace, a container, where the daemon's pid names nothing); owned
+        from here on."""
+        self._fd = pidfd  # a pidfd opened by pid, if any, stays open until its own finalizer closes it
+        weakref.finalize(self, os.close, pidfd)
 
     def gone(self, wait_s: float = 0.0) -> bool:
         """Whether the process has exited, waiting up to `wait_s` for it to."""

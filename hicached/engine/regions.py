@@ -168,6 +168,9 @@ def release_cuda_fields(cuda: dict[str, Any]) -> None:
     torch.UntypedStorage._release_ipc_counter_cuda(cuda["ref_counter_handle"], cuda["ref_counter_offset"])
 
 
+PIDFD_KEY = "_pidfd"  # in side_attach's answer: an fd that came with it (not a field of the protocol)
+
+
 class SideAttach(dict):
     """A region_attach request that travels, with `fd`, on a connection of its own (a transport cannot
     pass fds); the answer comes back on it too."""
@@ -191,13 +194,26 @@ def side_attach(
         if sent < len(data):
             sock.sendall(data[sent:])
         decoder = protocol.FrameDecoder(_MAX_ANSWER)
-        while True:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                raise HicachedError(CONNECTION, "the daemon closed the connection during region_attach")
-            msgs = decoder.feed(chunk)
-            if msgs:
-                return protocol.raise_for_error(msgs[0])
+        pidfd = -1
+        try:
+            while True:
+                chunk, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
+                for fd in fds:  # a fence board's answer carries the daemon's pidfd (fences.DaemonProcess)
+                    if pidfd < 0:
+                        pidfd = fd
+                    else:
+                        os.close(fd)
+                if not chunk:
+                    raise HicachedError(CONNECTION, "the daemon closed the connection during region_attach")
+                msgs = decoder.feed(chunk)
+                if msgs:
+                    answer = protocol.raise_for_error(msgs[0])
+                    if pidfd >= 0 and isinstance(answer, dict):
+                        answer[PIDFD_KEY], pidfd = pidfd, -1
+                    return answer
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
     except TimeoutError:
         raise HicachedError(TIMEOUT, f"no answer to region_attach within {timeout}s") from None
     except OSError as e:
@@ -285,7 +301,10 @@ class RegionOps:
         req = SideAttach(op="region_attach", kind=fence.KIND, token=self.token, slots=board.slots)
         req.fd = board.fd
         try:
-            yield req
+            answer = yield req
+            pidfd = answer.pop(PIDFD_KEY, None) if isinstance(answer, dict) else None
+            if pidfd is not None:
+                self.daemon.watch(pidfd)
         except HicachedError as e:
             if e.code in (CONNECTION, TIMEOUT):
                 raise

@@ -290,7 +290,7 @@ class RegionService:
             raise HicachedError(NOT_FOUND, "the connection this fence board was registered for has closed")
         st.board = board
         self.counters["attached.fence"] += 1
-        return {"slots": slots}
+        return {"slots": slots, "kind": fence_mod.KIND}  # the server adds its pidfd to this answer
 
     def _fence(self, s: Session, req: dict[str, Any], region: Region) -> tuple[mmap.mmap, int] | None:
         """The request's fence (its board and slot), None without one; bad_request for one that does not

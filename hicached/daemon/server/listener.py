@@ -103,6 +103,15 @@ class Server:
         self.budget = PendingBudget(lambda: self.cfg.server)
         self.unauthorized = 0  # controls refused to engines
         self.handshake_timeouts = 0  # connections closed without a hello or a control request in time
+        try:  # sent with a fence board's answer (see _attach_connection)
+            self._pidfd = os.pidfd_open(os.getpid())
+        except (OSError, AttributeError):
+            self._pidfd = -1
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     @property
     def cfg(self) -> Config:
@@ -189,6 +198,7 @@ class Server:
             c.close()
         await asyncio.sleep(0)
         await self.regions.close(timeout)
+        self._close_pidfd()
         if self._empty_fd >= 0:
             os.close(self._empty_fd)
             self._empty_fd = -1
@@ -234,6 +244,7 @@ class Server:
                 c.transport.abort()  # a peer that does not read its answers
         await asyncio.sleep(0)
         await self.regions.close(timeout)
+        self._close_pidfd()
         return socks
 
     def _bind(self, path: str) -> socket.socket:
@@ -533,7 +544,15 @@ class Server:
         # A peer that went away gets no answer; its region, if any, goes with its connection.
         try:
             with contextlib.suppress(OSError, TimeoutError):
-                await asyncio.wait_for(loop.sock_sendall(sock, protocol.encode(answer)), 5.0)
+                data = protocol.encode(answer)
+                if answer.get("kind") == "fence" and self._pidfd >= 0:
+                    # The daemon's own pidfd with a fence board's answer: the client's wait for copies of a
+                    # request it gave up on ends when this process exits, seen even from another pid
+                    # namespace (a container), where the daemon's pid means nothing.
+                    with contextlib.suppress(BlockingIOError, InterruptedError):
+                        data = data[socket.send_fds(sock, [data], [self._pidfd]) :]
+                if data:
+                    await asyncio.wait_for(loop.sock_sendall(sock, data), 5.0)
         finally:
             sock.close()
 
