@@ -3,6 +3,8 @@ memfd kept in systemd's fd store beside the pool, from which a start without an 
 
 The records live in their own memfd, the meta memfd, not in the pool: engines map the pool only, so no
 engine can forge or change a record, and a payload changed after its commit fails its checksum at the scan.
+With [tenants], each arena (a tenant's pool, a memfd of its own) has a meta memfd of its own, its records
+at offsets within that arena; ByArena hands each page's transitions to its arena's.
 """
 
 from __future__ import annotations
@@ -206,10 +208,22 @@ class Scanned:
 class Headers:
     """The meta memfd of a pool, mapped, and the writes at each page's transitions (on the event loop: a
     struct pack and a slice assignment a page). `fd` is owned (kept in systemd's fd store while the daemon
-    runs, closed by close())."""
+    runs, closed by close()). With arenas, of one arena (`arena`, from pool offset `base`): `pool_bytes` is
+    its size, and the records' offsets are within it."""
 
-    def __init__(self, fd: int, pool_bytes: int, slab_bytes: int, inode: int, fresh: bool) -> None:
+    def __init__(
+        self,
+        fd: int,
+        pool_bytes: int,
+        slab_bytes: int,
+        inode: int,
+        fresh: bool,
+        arena: int = 0,
+        base: int = 0,
+    ) -> None:
         self.fd = fd
+        self.arena = arena
+        self.base = base
         self.pool_bytes = pool_bytes
         self.slab_bytes = slab_bytes
         self.nslabs = pool_bytes // slab_bytes
@@ -230,14 +244,16 @@ class Headers:
             self.adopted, self._l3 = front.adopted, front.l3
 
     @classmethod
-    def create(cls, pool: Pool, slab_bytes: int) -> Headers:
-        """A new, empty meta memfd for `pool`: sealed against shrink and grow, as the pool; not prefaulted."""
-        nslabs = pool.size // slab_bytes
+    def create(cls, pool: Pool, slab_bytes: int, arena: int = 0) -> Headers:
+        """A new, empty meta memfd for `pool` (its arena `arena`): sealed against shrink and grow, as the
+        pool; not prefaulted."""
+        a = pool.arenas[arena]
+        nslabs = a.size // slab_bytes
         fd = os.memfd_create(META_FDNAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, meta_bytes(nslabs, slab_bytes))
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            h = cls(fd, pool.size, slab_bytes, pool.inode, fresh=True)
+            h = cls(fd, a.size, slab_bytes, os.fstat(a.fd).st_ino, fresh=True, arena=arena, base=a.base)
         except BaseException:
             os.close(fd)
             raise
@@ -245,10 +261,12 @@ class Headers:
         return h
 
     @classmethod
-    def adopt(cls, fd: int, pool: Pool, slab_bytes: int) -> Headers:
-        """The kept meta memfd `fd` of `pool`, checked against it and this configuration; MetaError saying why
-        not otherwise (the caller closes `fd` then)."""
-        nslabs = pool.size // slab_bytes
+    def adopt(cls, fd: int, pool: Pool, slab_bytes: int, arena: int = 0) -> Headers:
+        """The kept meta memfd `fd` of `pool` (its arena `arena`), checked against it and this configuration;
+        MetaError saying why not otherwise (the caller closes `fd` then)."""
+        a = pool.arenas[arena]
+        size, inode = a.size, os.fstat(a.fd).st_ino
+        nslabs = size // slab_bytes
         want = meta_bytes(nslabs, slab_bytes)
         mem = inspect_fd(fd)
         if mem.kind != MEMFD:
@@ -258,14 +276,14 @@ class Headers:
         if mem.size != want:
             raise MetaError(f"the kept slot headers take {mem.size} bytes; this pool's take {want}")
         front = unpack_front(os.pread(fd, _FRONT.size + _FRONT_SUM.size, 0))
-        if (front.pool_bytes, front.slab_bytes, front.nslabs) != (pool.size, slab_bytes, nslabs):
+        if (front.pool_bytes, front.slab_bytes, front.nslabs) != (size, slab_bytes, nslabs):
             raise MetaError(
                 f"the kept slot headers describe a pool of {front.pool_bytes} bytes in slabs of "
-                f"{front.slab_bytes}; this one is {pool.size} in slabs of {slab_bytes}"
+                f"{front.slab_bytes}; this one is {size} in slabs of {slab_bytes}"
             )
-        if front.inode != pool.inode:
+        if front.inode != inode:
             raise MetaError("the kept slot headers describe another memfd than the kept pool")
-        return cls(fd, pool.size, slab_bytes, pool.inode, fresh=False)
+        return cls(fd, size, slab_bytes, inode, fresh=False, arena=arena, base=a.base)
 
     def _write_front(self) -> None:
         front = pack_front(self.pool_bytes, self.slab_bytes, self.nslabs, self.inode, self.adopted, self._l3)
@@ -278,11 +296,15 @@ class Headers:
 
     def attach(self, tiers: Tiers) -> None:
         """Wires the writes into the page lifecycle (Tiers, its backup, the allocator), and records the slabs
-        the allocator already gave out."""
+        the allocator already gave out. A pool of several arenas: attach_arenas."""
         tiers.headers = self
         tiers.backup.headers = self
         tiers.prefetcher.headers = self
-        alloc = tiers.index.alloc
+        self.attach_alloc(tiers)
+
+    def attach_alloc(self, tiers: Tiers) -> None:
+        """The slab table follows the allocator of this arena (slab numbers count from the arena's start)."""
+        alloc = tiers.index.allocs[self.arena]
         alloc.on_assign = self.slab
         for cls in alloc.classes.values():
             for s in cls.slabs:
@@ -299,6 +321,7 @@ class Headers:
     # The writes at the pages' transitions.
 
     def _at(self, offset: int, slot_bytes: int) -> int:
+        """Where the record of the slot at `offset` (within the arena) is."""
         slab, within = divmod(offset, self.slab_bytes)
         return self._records + (slab * self._slots_per_slab + within // slot_bytes) * RECORD
 
@@ -324,10 +347,10 @@ class Headers:
         self._seq = seq = seq if seq > self._seq else self._seq + 1
         ns, key = e.ns.encode("ascii"), e.key.encode("ascii")
         slot = e.cls.slot_bytes
+        offset = e.offset - self.base
         at = (
             self._records
-            + (e.offset // self.slab_bytes * self._slots_per_slab + e.offset % self.slab_bytes // slot)
-            * RECORD
+            + (offset // self.slab_bytes * self._slots_per_slab + offset % self.slab_bytes // slot) * RECORD
         )
         body = _RECORD.pack(
             RECORD_MAGIC,
@@ -336,7 +359,7 @@ class Headers:
             len(ns),
             len(key),
             slot,
-            e.offset,
+            offset,
             e.size,
             e.checksum,
             seq,
@@ -348,7 +371,7 @@ class Headers:
 
     def in_l3(self, e: Entry) -> None:
         """A page reached L3: its record says so (a crash then does not back it up again)."""
-        at = self._at(e.offset, e.cls.slot_bytes)
+        at = self._at(e.offset - self.base, e.cls.slot_bytes)
         mm = self.mm
         if mm[at : at + 4] != RECORD_MAGIC:
             return  # a page without a record (prefetched from L3, which is in L3 already)
@@ -360,12 +383,13 @@ class Headers:
     def clear(self, entries: list[Entry]) -> None:
         """Pages left L2 (evicted, aborted, cleared, a failed fill): their records go, so that a slot
         freed is never brought back by a scan. Runs for every page a full pool evicts."""
-        mm, at = self.mm, self._at
+        mm, at, base = self.mm, self._at, self.base
         for e in entries:
-            i = at(e.offset, e.cls.slot_bytes)
+            i = at(e.offset - base, e.cls.slot_bytes)
             mm[i : i + RECORD] = _ZERO
 
     def clear_at(self, offset: int, slot_bytes: int) -> None:
+        """Clears the record of the slot at `offset` (within the arena)."""
         i = self._at(offset, slot_bytes)
         self.mm[i : i + RECORD] = _ZERO
 
@@ -464,19 +488,20 @@ class Headers:
             self.commit(e)
         if self.fresh:
             return
-        kept = {e.offset for e in entries}
+        kept = {e.offset - self.base for e in entries}
         for p in snap.pages:
             if p.offset not in kept:
                 self.clear_at(p.offset, snap.slabs[p.offset // snap.slab_bytes])
 
 
 def adopt(
-    meta_fds: list[int], pool: Pool, slab_bytes: int, snapshot: Snapshot | None
+    meta_fds: list[int], pool: Pool, slab_bytes: int, snapshot: Snapshot | None, arena: int = 0
 ) -> tuple[Headers | None, Snapshot | None]:
-    """What a start restores a kept pool from: its index snapshot where one came (a planned restart: no scan
-    needed) and is not older than the slot headers; else the slot headers (a crash), scanned by the caller.
-    Headers None: none usable came, a fresh meta memfd is made. MetaError (a ValueError) when neither can
-    be used. The fd in `meta_fds` is taken (owned by the Headers returned, or closed)."""
+    """What a start restores a kept pool (or arena `arena` of it) from: its index snapshot where one came (a
+    planned restart: no scan needed) and is not older than the slot headers; else the slot headers (a
+    crash), scanned by the caller. Headers None: none usable came, a fresh meta memfd is made. MetaError (a
+    ValueError) when neither can be used. The fd in `meta_fds` is taken (owned by the Headers returned, or
+    closed)."""
     if not meta_fds:
         if snapshot is None:
             raise MetaError("neither an index snapshot nor slot headers were kept with it")
@@ -487,7 +512,7 @@ def adopt(
         raise MetaError(f"{len(meta_fds)} slot header fds were passed, not 1")
     fd = meta_fds.pop()
     try:
-        headers = Headers.adopt(fd, pool, slab_bytes)
+        headers = Headers.adopt(fd, pool, slab_bytes, arena)
     except (MetaError, OSError) as e:
         os.close(fd)
         if snapshot is None:
@@ -503,3 +528,46 @@ def adopt(
         )
         snapshot = None
     return headers, snapshot
+
+
+class ByArena:
+    """The PageRecords of a pool of several arenas: each page's transitions go to its arena's Headers (None:
+    that arena keeps no records)."""
+
+    def __init__(self, headers: list[Headers | None]) -> None:
+        self.by_arena = headers
+
+    def commit(self, e: Entry) -> None:
+        h = self.by_arena[e.cls.arena]
+        if h is not None:
+            h.commit(e)
+
+    def in_l3(self, e: Entry) -> None:
+        h = self.by_arena[e.cls.arena]
+        if h is not None:
+            h.in_l3(e)
+
+    def clear(self, entries: list[Entry]) -> None:
+        by_arena = self.by_arena
+        for e in entries:
+            h = by_arena[e.cls.arena]
+            if h is not None:
+                h.clear([e])
+
+    def l3(self, location: str | None) -> None:
+        for h in self.by_arena:
+            if h is not None:
+                h.l3(location)
+
+
+def attach_arenas(tiers: Tiers, headers: list[Headers]) -> None:
+    """Headers.attach for a pool of several arenas: one Headers an arena (those of `headers`; the others
+    keep no records), each following its arena's allocator."""
+    by_arena: list[Headers | None] = [None] * len(tiers.index.allocs)
+    for h in headers:
+        by_arena[h.arena] = h
+        h.attach_alloc(tiers)
+    records = ByArena(by_arena)
+    tiers.headers = records
+    tiers.backup.headers = records
+    tiers.prefetcher.headers = records

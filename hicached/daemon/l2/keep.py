@@ -40,14 +40,15 @@ FDNAMES = (POOL_FDNAME, INDEX_FDNAME, META_FDNAME)
 
 
 def tenant_fdname(name: str, tenant: str) -> str:
-    """The fd store name of a tenant's pool or of its index snapshot (with [tenants], each tenant's pool is
-    kept on its own: POOL_FDNAME.TENANT beside INDEX_FDNAME.TENANT)."""
+    """The fd store name of a tenant's pool, of its index snapshot or of its slot headers (with [tenants],
+    each tenant's pool is kept on its own: POOL_FDNAME.TENANT beside INDEX_FDNAME.TENANT and
+    META_FDNAME.TENANT)."""
     return f"{name}.{tenant}"
 
 
 def is_kept_fdname(name: str) -> bool:
     """Whether an fd store name is one of L2's (untenanted or a tenant's): never a socket to listen on."""
-    return name in FDNAMES or any(name.startswith(n + ".") for n in (POOL_FDNAME, INDEX_FDNAME))
+    return name in FDNAMES or any(name.startswith(n + ".") for n in FDNAMES)
 
 
 FORMAT = 1

@@ -61,8 +61,10 @@ class Daemon:
         self._warm_pending: list[warmup.WarmPage] | None = None
         self._snapshot_task: asyncio.Task[Any] | None = None
         self.restored: keep.Restored | None = None  # L2 taken back from systemd's fd store at start
-        self._kept_snapshots: dict[int, keep.Snapshot] = {}  # arena -> its kept snapshot ([tenants])
+        # [tenants]: arena -> what restores its kept pool: its index snapshot, or its slot headers to scan
+        self._kept_tenants: dict[int, tuple[keep.Snapshot | None, slot_headers.Headers | None]] = {}
         self.headers: slot_headers.Headers | None = None  # the pool's slot headers (what a crash keeps)
+        self.arena_headers: list[slot_headers.Headers] = []  # [tenants]: each arena's slot headers
         self.takeover: takeover.Endpoint | None = None  # where a new instance asks to take over from this one
 
     # Lifecycle.
@@ -76,18 +78,25 @@ class Daemon:
         if kept is None and listen_sock is None:
             # Another instance serving this socket hands it over, with L2 (before this one allocates a pool).
             path = config.resolve_path(cfg, cfg.server.socket)
-            handed = await takeover.request(path, cfg.pool.capacity, cfg.pool.slab_size)
+            arenas = self._arenas()
+            pool_bytes = sum(n for _, n in arenas) if arenas else cfg.pool.capacity
+            handed = await takeover.request(path, pool_bytes, cfg.pool.slab_size, arenas)
         if handed is None:
             await self._start(kept, listen_sock)
             return
         try:
-            kept = self._adopt_kept([handed.pool_fd], [handed.index_fd])
+            if handed.arenas:
+                passed = {name: ([pool_fd], [index_fd], []) for name, pool_fd, index_fd in handed.arenas}
+                kept = self._adopt_tenants(passed, strict=True)
+            else:
+                kept = self._adopt_kept([handed.pool_fd], [handed.index_fd])
             listen_sock = handed.listen
             log.info(
-                "taking over from pid %d: its socket, L2 (%d pages, %d owed to L3) and its index",
+                "taking over from pid %d: its socket, L2 (%d pages, %d owed to L3%s) and its index",
                 handed.pid,
                 handed.pages,
                 handed.owed,
+                f"; {len(handed.arenas)} tenants' pools" if handed.arenas else "",
             )
             await self._start(kept, listen_sock, handed)
         except BaseException as e:
@@ -125,7 +134,9 @@ class Daemon:
                 raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
         self.tiers = Tiers(cfg, self.pool, None)
-        if headers is None and self.notifier.enabled and not self.tiers.tenanted:
+        if self.tiers.tenanted:
+            self._tenants_headers()
+        elif headers is None and self.notifier.enabled:
             # Only under a service manager: without one to keep them over a crash nothing reads them.
             headers = slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
         self.headers = headers
@@ -163,7 +174,7 @@ class Daemon:
                 r.dropped,
                 r.owed,
             )
-        if self._kept_snapshots:
+        if self._kept_tenants:
             await self._restore_tenants()
         await self._attach_configured(startup=True)
         if self.restored is not None:
@@ -234,51 +245,113 @@ class Daemon:
             )
             return None
 
-    def _take_kept_tenants(self) -> tuple[Pool, None, None] | None:
-        """With [tenants]: each tenant's pool kept over the restart with its index snapshot (systemd's fd
-        store: POOL_FDNAME.TENANT, INDEX_FDNAME.TENANT), taken back where both describe that tenant's pool
-        of this configuration; the others start empty. The pool of every tenant, kept or fresh; its kept
-        snapshots wait in _kept_snapshots for the restore. None when nothing was kept."""
+    def _arenas(self) -> list[tuple[str, int]] | None:
+        """The pool's arenas (name, bytes) this configuration makes; None without [tenants]."""
         cfg = self.cfg
         tenants = {name: t.capacity for name, t in cfg.tenants.items()}
-        arenas = arena_sizes(tenants, cfg.pool.capacity, cfg.pool.slab_size) or []
-        kept: dict[str, int] = {}
-        snapshots: dict[str, keep.Snapshot] = {}
-        for name, size in arenas:
-            pool_name, index_name = (
-                keep.tenant_fdname(n, name) for n in (keep.POOL_FDNAME, keep.INDEX_FDNAME)
-            )
-            pool_fds, index_fds = take_passed(pool_name), take_passed(index_name)
-            if not pool_fds and not index_fds:
+        return arena_sizes(tenants, cfg.pool.capacity, cfg.pool.slab_size)
+
+    def _take_kept_tenants(self) -> tuple[Pool, None, None] | None:
+        """With [tenants]: each tenant's pool kept over the restart (systemd's fd store: POOL_FDNAME.TENANT)
+        with its index snapshot (INDEX_FDNAME.TENANT, a planned restart) or its slot headers
+        (META_FDNAME.TENANT, stored at start: a crash), taken back where they describe that tenant's pool of
+        this configuration; the others start empty. The pool of every tenant, kept or fresh (_adopt_tenants);
+        None when nothing was kept."""
+        passed: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        for name, _ in self._arenas() or []:
+            names = [keep.tenant_fdname(n, name) for n in keep.FDNAMES]  # pool, index, slot headers
+            fds = (take_passed(names[0]), take_passed(names[1]), take_passed(names[2]))
+            if not any(fds):
                 continue
-            self.notifier.remove_stored_fd(index_name)  # a later start must not pair it with another pool
-            self.notifier.remove_stored_fd(pool_name)  # ours from here: stored again at the next stop
-            try:
-                if len(pool_fds) != 1 or len(index_fds) != 1:
-                    raise ValueError(
-                        f"{len(pool_fds)} pool fds and {len(index_fds)} index fds were passed, not 1 each"
-                    )
-                check_kept_fd(pool_fds[0], size)
-                snap = keep.decode(keep.read_fd(index_fds[0]))
-                keep.check(snap, size, cfg.pool.slab_size, os.fstat(pool_fds[0]).st_ino)
-                kept[name], snapshots[name] = pool_fds.pop(), snap
-            except (ValueError, OSError) as e:
-                log.warning(
-                    "tenant %s's L2 pool kept over the restart is not used: %s; it starts empty", name, e
-                )
-            finally:
-                for fd in pool_fds + index_fds:
-                    os.close(fd)
+            # Whatever comes of it, the snapshot goes: a later start (after a crash) must not be handed one
+            # that no longer describes the pool. The pool and its slot headers stay stored while they are this
+            # daemon's (a crash keeps them); _forget_tenant lets go of those that are not used.
+            if fds[1]:
+                self.notifier.remove_stored_fd(names[1])
+            passed[name] = fds
         self._drop_kept_tenants()
-        if not kept:
-            return None
+        return self._adopt_tenants(passed) if passed else None
+
+    def _adopt_tenants(
+        self, passed: dict[str, tuple[list[int], list[int], list[int]]], strict: bool = False
+    ) -> tuple[Pool, None, None] | None:
+        """The pool of every tenant, from the tenants' pools of a previous instance (`passed`: tenant ->
+        its pool, index snapshot and slot header fds, from systemd's fd store or a takeover) where they
+        describe that tenant's pool of this configuration, fresh for the others; what restores each waits in
+        _kept_tenants. A tenant whose pool does not fit starts empty (one log line), or, `strict` (a
+        takeover), fails it all: ValueError, OSError or MemoryError. None when none was kept. Every fd
+        passed is closed or owned by the Pool or the Headers."""
+        cfg = self.cfg
+        arenas = self._arenas() or []
+        sizes = dict(arenas)
+        kept: dict[str, int] = {}
+        snapshots: dict[str, keep.Snapshot | None] = {}
+        metas: dict[str, list[int]] = {}
         try:
-            pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault, arenas=arenas, kept=kept)
-        except (ValueError, OSError, MemoryError) as e:
-            log.warning("the tenants' L2 pools kept over the restart are not used: %s; starting empty", e)
-            return None
-        self._kept_snapshots = {pool.arena(name).index: snap for name, snap in snapshots.items()}
-        return pool, None, None
+            for name, (pool_fds, index_fds, meta_fds) in passed.items():
+                try:
+                    if name not in sizes:
+                        raise ValueError("no such tenant here")
+                    if len(pool_fds) != 1 or len(index_fds) > 1 or len(meta_fds) > 1:
+                        raise ValueError(
+                            f"{len(pool_fds)} pool fds, {len(index_fds)} index fds and {len(meta_fds)} slot "
+                            "header fds were passed, not 1 each"
+                        )
+                    if not index_fds and not meta_fds:
+                        raise ValueError("neither an index snapshot nor slot headers were kept with it")
+                    check_kept_fd(pool_fds[0], sizes[name])
+                    snapshot = None
+                    if index_fds:
+                        snapshot = keep.decode(keep.read_fd(index_fds[0]))
+                        keep.check(snapshot, sizes[name], cfg.pool.slab_size, os.fstat(pool_fds[0]).st_ino)
+                    kept[name], snapshots[name] = pool_fds.pop(), snapshot
+                    metas[name] = [meta_fds.pop()] if meta_fds else []
+                except (ValueError, OSError) as e:
+                    if strict:
+                        raise ValueError(f"tenant {name}'s L2 pool: {e}") from None
+                    self._forget_tenant(name)
+                    log.warning(
+                        "tenant %s's L2 pool kept over the restart is not used: %s; it starts empty", name, e
+                    )
+            if not kept:
+                return None
+            taken, kept = kept, {}  # the Pool's from here, whatever comes of it
+            try:
+                pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault, arenas=arenas, kept=taken)
+            except (ValueError, OSError, MemoryError) as e:
+                if strict:
+                    raise
+                for name in taken:
+                    self._forget_tenant(name)
+                log.warning("the tenants' L2 pools kept over the restart are not used: %s; starting empty", e)
+                return None
+            self._kept_tenants = {}
+            for name, snapshot in snapshots.items():
+                arena = pool.arena(name).index
+                try:
+                    headers, snapshot = slot_headers.adopt(
+                        metas.pop(name), pool, cfg.pool.slab_size, snapshot, arena
+                    )
+                except (ValueError, OSError) as e:  # neither a snapshot nor usable slot headers
+                    self._forget_tenant(name, pool=False)
+                    log.warning(
+                        "tenant %s's L2 pool kept over the restart is not used: %s; it starts empty", name, e
+                    )
+                    continue
+                self._kept_tenants[arena] = (snapshot, headers)
+            return pool, None, None
+        finally:
+            for fd in [fd for fds in passed.values() for some in fds for fd in some]:
+                os.close(fd)
+            for fd in [*kept.values(), *(fd for fds in metas.values() for fd in fds)]:
+                os.close(fd)
+
+    def _forget_tenant(self, name: str, pool: bool = True) -> None:
+        """A tenant's kept pool (or, `pool` False, only its slot headers) not used: out of systemd's fd
+        store (which would keep its memory, and hand it to the next start beside the fresh one)."""
+        self.notifier.remove_stored_fd(keep.tenant_fdname(keep.META_FDNAME, name))
+        if pool:
+            self.notifier.remove_stored_fd(keep.tenant_fdname(keep.POOL_FDNAME, name))
 
     def _drop_kept_tenants(self) -> None:
         """Tenants' pools kept for a configuration that no longer has them: let go (systemd keeps their
@@ -289,11 +362,66 @@ class Daemon:
             self.notifier.remove_stored_fd(name)
             log.info("dropped %s kept over the restart: no such tenant's pool now", name)
 
+    def _tenants_headers(self) -> None:
+        """With [tenants]: each arena's slot headers (kept, or made here under a service manager whose fd
+        store holds 3 fds an arena), wired into the page lifecycle and stored with the arena's pool."""
+        kept = {i: h for i, (_, h) in self._kept_tenants.items() if h is not None}
+        arenas = self.pool.arenas
+        room = self.notifier.enabled and _fd_store_has_room(3 * len(arenas), "over a crash")
+        if room:
+            for a in arenas:
+                if a.index not in kept:
+                    kept[a.index] = slot_headers.Headers.create(self.pool, self.cfg.pool.slab_size, a.index)
+        self.arena_headers = [kept[i] for i in sorted(kept)]
+        if not self.arena_headers:
+            return
+        for h in self.arena_headers:
+            h.mark_adopted()
+        slot_headers.attach_arenas(self.tiers, self.arena_headers)
+        if not room:
+            return
+        stored = 0
+        for h in self.arena_headers:
+            name = arenas[h.arena].name
+            meta_name = keep.tenant_fdname(keep.META_FDNAME, name)
+            if h.fresh:
+                self.notifier.remove_stored_fd(meta_name)  # another of a pool not used: never two
+            # Stored again after a restart: systemd keeps one copy of an fd it already holds.
+            stored += self.notifier.store_fd(meta_name, h.fd) and self.notifier.store_fd(
+                keep.tenant_fdname(keep.POOL_FDNAME, name), arenas[h.arena].fd
+            )
+        if stored:
+            log.info(
+                "%d tenants' L2 pools and their slot headers handed to the service manager's fd store: kept "
+                "over a crash",
+                stored,
+            )
+
     async def _restore_tenants(self) -> None:
-        """The tenants' kept pools (_take_kept_tenants) served again, each verified as keep.restore does."""
-        snapshots, self._kept_snapshots = self._kept_snapshots, {}
-        for arena, snap in sorted(snapshots.items()):
+        """The tenants' kept pools (_adopt_tenants) served again, each verified as keep.restore does: from its
+        index snapshot, or from its slot headers (scanned first: a crash)."""
+        kept, self._kept_tenants = self._kept_tenants, {}
+        loop = asyncio.get_running_loop()
+        for arena, (snap, headers) in sorted(kept.items()):
+            name = self.pool.arenas[arena].name
+            scanned = None
+            if snap is None:
+                scanned = await loop.run_in_executor(None, headers.scan)
+                snap = scanned.snapshot
             r = await keep.restore(self.tiers, self.pool, snap, arena=arena)
+            if headers is not None:
+                headers.restored(snap, r.entries)
+            if scanned is not None:
+                r.dropped += scanned.dropped
+                self.tiers.counters["keep.dropped"] += scanned.dropped
+                log.info(
+                    "no index snapshot came with tenant %s's kept pool (a crash): its index was rebuilt from "
+                    "%d slot headers in %.2fs; %d of them did not check and were dropped",
+                    name,
+                    scanned.records,
+                    scanned.seconds,
+                    scanned.dropped,
+                )
             total = self.restored
             if total is None:
                 total = self.restored = keep.Restored(l3=r.l3)
@@ -305,7 +433,7 @@ class Daemon:
             log.info(
                 "tenant %s's L2 kept over the restart: %d pages served again after %.2fs of verifying; %d "
                 "did not verify and were dropped; %d are owed to L3 and queued for it",
-                self.pool.arenas[arena].name,
+                name,
                 r.pages,
                 r.seconds,
                 r.dropped,
@@ -346,8 +474,9 @@ class Daemon:
 
     def _store_l2(self) -> None:
         """The pool and its slot headers go to systemd's fd store at start and stay there while the daemon
-        runs: after a crash the next start gets them back and rebuilds the index from the headers."""
-        if not self.notifier.enabled or self.tiers.tenanted:  # tenants' pools are not kept yet
+        runs: after a crash the next start gets them back and rebuilds the index from the headers (with
+        [tenants]: _tenants_headers, each tenant's on its own)."""
+        if not self.notifier.enabled:
             return
         if not _fd_store_has_room():
             return
@@ -410,11 +539,12 @@ class Daemon:
             finally:
                 os.close(fd)
 
-    def l2_snapshot(self) -> tuple[keep.Snapshot, int]:
-        """A snapshot of L2's index, and a sealed memfd holding it (the caller's to close); once nothing
-        changes L2 any more (tiers stopped)."""
+    def l2_snapshot(self, arena: int = 0) -> tuple[keep.Snapshot, int]:
+        """A snapshot of L2's index (of one arena's pages, with [tenants]), and a sealed memfd holding it (the
+        caller's to close); once nothing changes L2 any more (tiers stopped)."""
         conn = self.tiers.connector
-        snapshot = keep.take(self.tiers, self.pool, repr(conn.location()) if conn is not None else None)
+        l3 = repr(conn.location()) if conn is not None else None
+        snapshot = keep.take(self.tiers, self.pool, l3, arena=arena)
         return snapshot, keep.to_memfd(keep.encode(snapshot))
 
     async def quiesce(self, drain_timeout: float) -> list[socket.socket]:
@@ -558,6 +688,8 @@ class Daemon:
                 self.pool.close()
                 if self.headers is not None:
                     self.headers.close()
+                for h in self.arena_headers:
+                    h.close()
                 self.notifier.close()
                 log.info("stopped: pid %d serves in this instance's place", self.takeover.handed_to)
                 return
@@ -594,6 +726,8 @@ class Daemon:
             self.pool.close()
         if self.headers is not None:
             self.headers.close()
+        for h in self.arena_headers:
+            h.close()
         self.notifier.close()
         log.info("stopped")
 
@@ -842,14 +976,16 @@ class Daemon:
         )
 
 
-def _fd_store_has_room(needed: int = len(keep.FDNAMES)) -> bool:
+def _fd_store_has_room(needed: int = len(keep.FDNAMES), over: str = "over a restart") -> bool:
     """Whether the unit's fd store takes what keeping L2 hands it; a warning says so when it does not."""
     room = fd_store_max()
     if room is not None and room < needed:
         log.warning(
-            "the unit's FileDescriptorStoreMax= is %d; keeping L2 over a restart takes %d: L2 not kept",
+            "the unit's FileDescriptorStoreMax= is %d; keeping L2 %s takes %d: L2 not kept %s",
             room,
+            over,
             needed,
+            over,
         )
         return False
     return True

@@ -3,12 +3,22 @@ index snapshot from the instance serving the same socket, over SCM_RIGHTS on `<s
 
 The exchange, one msgpack map per SOCK_SEQPACKET message (fds ride with the message they belong to):
 
-    new -> old  hello     {version, format, pool_bytes, slab_bytes, pid}
+    new -> old  hello     {version, format, pool_bytes, slab_bytes, pid, [arenas]}
     old -> new  offer     the same fields of the old instance, or refused {reason}
     new -> old  go
-    old -> new  handover  {pages, owed, tenant_sockets}; fds: listening socket, pool memfd, index snapshot
-                          memfd, then the tenants' listening sockets (the new instance matches them by path)
+    old -> new  handover  {pages, owed, tenant_sockets, [arenas]}; fds: listening socket, pool memfd, index
+                          snapshot memfd, then the tenants' listening sockets (the new instance matches
+                          them by path)
+    old -> new  arena     {name}; fds: that tenant's pool memfd, its index snapshot memfd: with [tenants],
+                          one for each arena after the first (whose fds rode with the handover)
     new -> old  serving   (or abort {reason}; or nothing: the old instance then serves again)
+
+With [tenants], hello and offer carry `arenas`, the pool's arenas ([name, bytes], each tenant's pool in the
+order the pool maps them): both ends must have the same, or the takeover is refused (a takeover keeps each
+tenant's L2 as it is; a changed capacity is a restart's to handle). Without [tenants] neither carries it,
+and the exchange is what version 1 always was: an instance of a release before tenants' takeovers takes
+over from this one and back; one with [tenants] on either side is refused at the offer, before anything is
+handed over.
 
 Both ends check the other's SO_PEERCRED: only the same uid, or root, takes over or is taken over from.
 """
@@ -47,7 +57,7 @@ class Daemon(Protocol):
     tiers: Tiers | None
     should_exit: asyncio.Event
 
-    def l2_snapshot(self) -> tuple[keep.Snapshot, int]: ...
+    def l2_snapshot(self, arena: int = 0) -> tuple[keep.Snapshot, int]: ...
 
     async def quiesce(self, drain_timeout: float) -> list[socket.socket]: ...
 
@@ -92,6 +102,12 @@ def mismatch(running: dict[str, Any], new: dict[str, Any]) -> str | None:
         a, b = running.get(key), new.get(key)
         if a != b or type(a) is not int:
             return f"the running daemon {what} {a!r} and the new instance {b!r}"
+    a, b = running.get("arenas"), new.get("arenas")
+    if a != b:
+        return (
+            f"the tenants' pools are {_pools(a)} in the running daemon and {_pools(b)} in the new "
+            "instance (a takeover keeps each tenant's L2 as is: restart instead)"
+        )
     for key, name in (("pool_bytes", "pool.capacity"), ("slab_bytes", "pool.slab_size")):
         a, b = (_size(d.get(key)) for d in (running, new))
         if a != b:
@@ -105,14 +121,26 @@ def _size(v: Any) -> str:
     return format_size(v) if type(v) is int else repr(v)
 
 
-def describe(pool_bytes: int, slab_bytes: int) -> dict[str, Any]:
-    return {
+def _pools(arenas: Any) -> str:
+    if arenas is None:
+        return "not set ([tenants] not configured, or a release that does not hand them over)"
+    if not isinstance(arenas, list) or not all(isinstance(a, list) and len(a) == 2 for a in arenas):
+        return repr(arenas)[:200]
+    return ", ".join(f"{name} {_size(size)}" for name, size in arenas)
+
+
+def describe(pool_bytes: int, slab_bytes: int, arenas: list[tuple[str, int]] | None = None) -> dict[str, Any]:
+    """What hello and offer say of an instance; `arenas`: its pool's, with [tenants] only."""
+    out = {
         "version": VERSION,
         "format": keep.FORMAT,
         "pool_bytes": pool_bytes,
         "slab_bytes": slab_bytes,
         "pid": os.getpid(),
     }
+    if arenas is not None:
+        out["arenas"] = [[name, size] for name, size in arenas]
+    return out
 
 
 def _peer_uid(sock: socket.socket) -> tuple[int, int]:
@@ -210,6 +238,8 @@ class Handed:
     owed: int
     done: bool = False  # confirmed or aborted
     tenant_listen: list[socket.socket] = field(default_factory=list)  # the tenants' listening sockets
+    # With [tenants]: each arena's (name, pool memfd, index snapshot memfd), the first's pool_fd, index_fd
+    arenas: list[tuple[str, int, int]] = field(default_factory=list)
 
     async def confirm(self) -> None:
         self.done = True
@@ -224,10 +254,13 @@ class Handed:
         self.sock.close()
 
 
-async def request(socket_path: str, pool_bytes: int, slab_bytes: int) -> Handed | None:
+async def request(
+    socket_path: str, pool_bytes: int, slab_bytes: int, arenas: list[tuple[str, int]] | None = None
+) -> Handed | None:
     """Takes over from the instance serving `socket_path`: None when none offers a takeover there (nothing
     listens on its endpoint), what it handed over otherwise; TakeoverError, with the old instance left
-    serving, when it cannot happen."""
+    serving, when it cannot happen. `arenas`: this instance's pool's ([tenants]), which the old one's must
+    be."""
     path = endpoint_path(socket_path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
     loop = asyncio.get_running_loop()
@@ -244,7 +277,7 @@ async def request(socket_path: str, pool_bytes: int, slab_bytes: int) -> Handed 
         pid, uid = _peer_uid(sock)
         if not _trusted(uid):
             raise TakeoverError(f"the takeover endpoint {path} is served by uid {uid} (pid {pid}), not by us")
-        mine = describe(pool_bytes, slab_bytes)
+        mine = describe(pool_bytes, slab_bytes, arenas)
         try:
             await _send(sock, {"op": "hello", **mine})
             offer, _ = await _recv(sock, ANSWER_S)
@@ -268,14 +301,51 @@ async def request(socket_path: str, pool_bytes: int, slab_bytes: int) -> Handed 
             os.close(fds[1])
             os.close(fds[2])
             raise TakeoverError("the daemon handed over an fd that is not a listening Unix stream socket")
+        try:
+            pools = await _recv_arenas(sock, msg, [name for name, _ in arenas or []], fds[1], fds[2])
+        except _PeerError as e:
+            for s in listens:
+                s.close()
+            os.close(fds[1])
+            os.close(fds[2])
+            raise TakeoverError(f"the daemon (pid {pid}) did not hand over its tenants' pools: {e}") from None
         pages, owed = int(msg.get("pages", 0)), int(msg.get("owed", 0))
-        return Handed(sock, listens[0], fds[1], fds[2], pid, pages, owed, tenant_listen=listens[1:])
+        return Handed(
+            sock, listens[0], fds[1], fds[2], pid, pages, owed, tenant_listen=listens[1:], arenas=pools
+        )
     except TakeoverError as e:
         sock.close()
         raise TakeoverError(f"{e}; the running daemon serves on, this instance exits") from None
     except BaseException:
         sock.close()
         raise
+
+
+async def _recv_arenas(
+    sock: socket.socket, handover: dict[str, Any], names: list[str], pool_fd: int, index_fd: int
+) -> list[tuple[str, int, int]]:
+    """With [tenants] (`names`: the arenas agreed in hello and offer), each arena's pool and index snapshot
+    fds: the first arena's came with the handover, the others' come one message each. _PeerError if they
+    do not come as agreed (the fds that did are closed, but the first arena's: the caller's)."""
+    if handover.get("arenas") != (names or None):
+        raise _PeerError(f"it handed over arenas {handover.get('arenas')!r}, not {names!r}")
+    if not names:
+        return []
+    out = [(names[0], pool_fd, index_fd)]
+    try:
+        for name in names[1:]:
+            msg, fds = await _recv(sock, HANDOVER_S, want=2)
+            out.append((name, fds[0], fds[1]))
+            if msg["op"] != "arena" or msg.get("name") != name:
+                raise _PeerError(
+                    f"it sent {msg['op']!r} {msg.get('name')!r} where tenant {name}'s pool was due"
+                )
+    except BaseException:
+        for _, p, i in out[1:]:
+            os.close(p)
+            os.close(i)
+        raise
+    return out
 
 
 # The old instance's side.
@@ -371,12 +441,8 @@ class Endpoint:
         if self._busy or d.should_exit.is_set() or d.tiers is None:
             await self._refuse(conn, pid, "the daemon is already being taken over or stopping")
             return
-        if d.tiers.tenanted:
-            await self._refuse(
-                conn, pid, "this daemon has [tenants], whose pools a takeover does not carry yet: restart it"
-            )
-            return
-        mine = describe(d.pool.size, d.cfg.pool.slab_size)
+        arenas = [(a.name, a.size) for a in d.pool.arenas] if d.tiers.tenanted else None
+        mine = describe(d.pool.size, d.cfg.pool.slab_size, arenas)
         why = (
             mismatch(mine, hello)
             if hello["op"] == "hello"
@@ -402,24 +468,44 @@ class Endpoint:
         d = self.daemon
         log.info("pid %d takes over: no longer accepting; answering the requests in flight", pid)
         self.close()
+        snaps: list[tuple[keep.Snapshot, int]] = []
         try:
             lsocks = await d.quiesce(DRAIN_S)
             lsock = lsocks[0]
-            snap, snap_fd = d.l2_snapshot()
+            # Each arena's snapshot, with [tenants]: a tenant's pool is handed over on its own.
+            for a in d.pool.arenas if d.tiers.tenanted else d.pool.arenas[:1]:
+                snaps.append(d.l2_snapshot(a.index))
         except Exception:
+            for _, fd in snaps:
+                os.close(fd)
             # A bug: nothing was handed over. The new instance hears the connection close and exits; this one
             # stops as on SIGTERM (its final flush writes what is owed to L3).
             log.exception("the hand-over to pid %d failed; stopping", pid)
             conn.close()
             d.should_exit.set()
             return
-        owed = sum(p.owed for p in snap.pages)
+        pages = sum(len(snap.pages) for snap, _ in snaps)
+        owed = sum(p.owed for snap, _ in snaps for p in snap.pages)
+        arenas = d.pool.arenas[: len(snaps)]
+        # What the old instance serves again from if the new one does not take over: as systemd's fd store
+        # would hand it to a start (a tenant's pool and index under its names, or the pool's).
+        if d.tiers.tenanted:
+            kept = [
+                (keep.tenant_fdname(n, a.name), fd)
+                for a, (_, snap_fd) in zip(arenas, snaps, strict=True)
+                for n, fd in ((keep.POOL_FDNAME, a.fd), (keep.INDEX_FDNAME, snap_fd))
+            ]
+        else:
+            kept = [(keep.POOL_FDNAME, d.pool.fd), (keep.INDEX_FDNAME, snaps[0][1])]
+        msg = {"op": "handover", "pages": pages, "owed": owed, "tenant_sockets": len(lsocks) - 1}
+        if d.tiers.tenanted:
+            msg["arenas"] = [a.name for a in arenas]
         try:
             await _send(
-                conn,
-                {"op": "handover", "pages": len(snap.pages), "owed": owed, "tenant_sockets": len(lsocks) - 1},
-                [lsock.fileno(), d.pool.fd, snap_fd, *(s.fileno() for s in lsocks[1:])],
+                conn, msg, [lsock.fileno(), arenas[0].fd, snaps[0][1], *(s.fileno() for s in lsocks[1:])]
             )
+            for a, (_, snap_fd) in zip(arenas[1:], snaps[1:], strict=True):
+                await _send(conn, {"op": "arena", "name": a.name}, [a.fd, snap_fd])
             answer, _ = await _recv(conn, CONFIRM_S)
             if answer["op"] != "serving":
                 raise _PeerError(f"it gave up: {answer.get('reason', answer['op'])}")
@@ -431,35 +517,39 @@ class Endpoint:
                 pid,
                 e,
             )
-            _serve_again(lsocks, d.pool.fd, snap_fd)
+            _serve_again(lsocks, kept)
         conn.close()
-        os.close(snap_fd)
+        for _, snap_fd in snaps:
+            os.close(snap_fd)
         self.handed_to = pid
         log.info(
-            "handed over to pid %d: the socket, L2 (%d pages, %d owed to L3 and backed up by it) and its "
+            "handed over to pid %d: the socket, L2 (%d pages, %d owed to L3 and backed up by it%s) and its "
             "index; exiting",
             pid,
-            len(snap.pages),
+            pages,
             owed,
+            f"; {len(snaps)} tenants' pools" if d.tiers.tenanted else "",
         )
         d.should_exit.set()
 
 
-def _serve_again(listens: list[socket.socket], pool_fd: int, index_fd: int) -> None:
-    """Runs this same command again in this process (exec), handing it the socket, the pool and the index
-    as systemd hands kept fds to a start (LISTEN_FDS, LISTEN_FDNAMES): the start-up's own restore adopts
-    them, verifies the pages and serves them, pages owed to L3 still owed. The tenants' sockets follow them,
-    listed in $HICACHED_TAKEOVER_TENANT_FDS (passed_tenant_sockets). Does not return."""
-    kept = (listens[0].fileno(), pool_fd, index_fd, *(s.fileno() for s in listens[1:]))
-    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16 + len(kept)) for fd in kept]
+def _serve_again(listens: list[socket.socket], kept: list[tuple[str, int]]) -> None:
+    """Runs this same command again in this process (exec), handing it the socket, and L2 (`kept`: the pool
+    and the index, or each tenant's, with their fd store names) as systemd hands kept fds to a start
+    (LISTEN_FDS, LISTEN_FDNAMES): the start-up's own restore adopts them, verifies the pages and serves
+    them, pages owed to L3 still owed. The tenants' sockets follow them, listed in
+    $HICACHED_TAKEOVER_TENANT_FDS (passed_tenant_sockets). Does not return."""
+    named = (listens[0].fileno(), *(fd for _, fd in kept))
+    every = (*named, *(s.fileno() for s in listens[1:]))
+    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16 + len(every)) for fd in every]
     for i, fd in enumerate(fds):
         os.dup2(fd, 3 + i, inheritable=True)
     env = {
         **os.environ,
         "LISTEN_PID": str(os.getpid()),
-        "LISTEN_FDS": "3",
-        "LISTEN_FDNAMES": f"{SOCKET_FDNAME}:{keep.POOL_FDNAME}:{keep.INDEX_FDNAME}",
-        TENANT_FDS_ENV: ",".join(str(3 + i) for i in range(3, len(fds))),
+        "LISTEN_FDS": str(len(named)),
+        "LISTEN_FDNAMES": ":".join([SOCKET_FDNAME, *(name for name, _ in kept)]),
+        TENANT_FDS_ENV: ",".join(str(3 + i) for i in range(len(named), len(fds))),
     }
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
