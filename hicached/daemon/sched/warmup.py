@@ -3,8 +3,8 @@
 The daemon keeps a warm list: the pages of L2 that are also in L3, pinned ones first, then the most
 recently used, with their namespace and page size. It is written atomically at shutdown and every
 `warmup.snapshot_interval`, so a crash still leaves a recent one. At start-up the list is read back and
-prefetched at a priority below any engine's request, up to `warmup.max_fraction` of the pool; pinned pages
-are pinned again.
+prefetched at a priority below any engine's request, up to `warmup.max_fraction` of the pool (of each
+tenant's pool, with tenants: a Budget); pinned pages are pinned again.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import msgpack
@@ -40,15 +40,48 @@ class WarmPage:
     pinned: bool
 
 
-def snapshot(index: PageIndex, limit_bytes: int) -> list[WarmPage]:
+class Budget:
+    """The bytes of slots the warm list may take: `limits[a]` for the pages of arena a (a tenant's pool:
+    warmup.max_fraction of each), the arena of a namespace by `arena_of`. An int is one bound for the whole
+    pool. take() counts a page against its arena's bound and says whether it still fits; `full` once every
+    arena's is passed."""
+
+    def __init__(self, limits: int | list[int], arena_of: Callable[[str], int] | None = None) -> None:
+        self.limits = [limits] if isinstance(limits, int) else list(limits)
+        self.arena_of = arena_of if arena_of is not None and len(self.limits) > 1 else (lambda ns: 0)
+        self.used = [0] * len(self.limits)
+        self._open = len(self.limits)
+
+    def take(self, ns: str, nbytes: int) -> bool:
+        a = self.arena_of(ns)
+        if not 0 <= a < len(self.limits):
+            return False  # a namespace no arena holds now
+        if self.used[a] > self.limits[a]:
+            return False
+        self.used[a] += nbytes
+        if self.used[a] > self.limits[a]:
+            self._open -= 1
+            return False
+        return True
+
+    @property
+    def full(self) -> bool:
+        return self._open <= 0
+
+
+def _budget(limit: int | Budget) -> Budget:
+    return limit if isinstance(limit, Budget) else Budget(limit)
+
+
+def snapshot(index: PageIndex, limit_bytes: int | Budget) -> list[WarmPage]:
     """Pages worth warming, in the order to warm them: pinned, then most recently used first, each page
     size keeping its share of the list (see _by_share)."""
     pinned = [e for e in index.entries.values() if e.pinned]
     mru_first = [list(reversed(lru.values())) for lru in index.lru_lists()]
-    return _take(itertools.chain(pinned, _by_share(mru_first)), limit_bytes)
+    return _take(itertools.chain(pinned, _by_share(mru_first)), _budget(limit_bytes))
 
 
-async def snapshot_async(index: PageIndex, limit_bytes: int, step: int = 20000) -> list[WarmPage]:
+async def snapshot_async(index: PageIndex, limit_bytes: int | Budget, step: int = 20000) -> list[WarmPage]:
     """The same, giving the event loop a turn every `step` pages (a large pool holds many)."""
     pinned = [e for e in list(index.entries.values()) if e.pinned]
     mru_first = []
@@ -59,11 +92,10 @@ async def snapshot_async(index: PageIndex, limit_bytes: int, step: int = 20000) 
         mru_first.append(values)
     merged = itertools.chain(pinned, _by_share(mru_first))
     out: list[WarmPage] = []
-    total = 0
+    budget = _budget(limit_bytes)
     while chunk := list(itertools.islice(merged, step)):
-        got, total, full = _take_more(chunk, limit_bytes, total)
-        out += got
-        if full:
+        out += _take_more(chunk, budget)
+        if budget.full:
             break
         await asyncio.sleep(0)
     return out
@@ -81,25 +113,24 @@ def _ranked(c: int, lst: list) -> Iterator[tuple[float, int, object]]:
     return (((j + 0.5) / n, c, e) for j, e in enumerate(lst))
 
 
-def _take(entries: Iterable, limit_bytes: int) -> list[WarmPage]:
-    return _take_more(entries, limit_bytes, 0)[0]
+def _take(entries: Iterable, budget: Budget) -> list[WarmPage]:
+    return _take_more(entries, budget)
 
 
-def _take_more(entries: Iterable, limit_bytes: int, total: int) -> tuple[list[WarmPage], int, bool]:
-    """The ready pages of `entries` in L3 while the slots they take, with `total` before them, fit in
-    `limit_bytes`: (those pages, the new total, whether the limit was reached)."""
+def _take_more(entries: Iterable, budget: Budget) -> list[WarmPage]:
+    """The ready pages of `entries` in L3 whose slots fit in what `budget` has left for their arena."""
     out = []
     for e in entries:
         if e.state != READY or not e.in_l3:
             continue
-        total += e.cls.slot_bytes
-        if total > limit_bytes:
-            return out, total, True
-        out.append(WarmPage(e.ns, e.key, e.size, e.pinned))
-    return out, total, False
+        if budget.take(e.ns, e.cls.slot_bytes):
+            out.append(WarmPage(e.ns, e.key, e.size, e.pinned))
+        elif budget.full:
+            break
+    return out
 
 
-def merge(first: list[WarmPage], rest: list[WarmPage], limit_bytes: int) -> list[WarmPage]:
+def merge(first: list[WarmPage], rest: list[WarmPage], limit_bytes: int | Budget) -> list[WarmPage]:
     """`first` (a snapshot of L2) and the pages of `rest` (a warm list not yet replayed) that it lacks,
     pinned ones of both first, up to `limit_bytes` of slots: a stop before the replay is done must not
     lose the rest of the list."""
@@ -109,12 +140,13 @@ def merge(first: list[WarmPage], rest: list[WarmPage], limit_bytes: int) -> list
     extra = [p for p in rest if (p.ns, p.key) not in seen]
     ordered = [p for p in first if p.pinned] + [p for p in extra if p.pinned]
     ordered += [p for p in first if not p.pinned] + [p for p in extra if not p.pinned]
-    out, total = [], 0
+    out = []
+    budget = _budget(limit_bytes)
     for p in ordered:
-        total += slot_size(p.page_bytes)
-        if total > limit_bytes:
+        if budget.take(p.ns, slot_size(p.page_bytes)):
+            out.append(p)
+        elif budget.full:
             break
-        out.append(p)
     return out
 
 
@@ -156,23 +188,24 @@ def load(path: str, max_bytes: int = 1 << 30) -> list[WarmPage]:
         return []
 
 
-async def warm(tiers, pages: list[WarmPage], limit_bytes: int) -> int:
+async def warm(tiers, pages: list[WarmPage], limit_bytes: int | Budget) -> int:
     """Prefetch `pages` into L2 (tiers: hicached.daemon.sched.tiers.Tiers); returns how many arrived. The
     pages end up in L2's LRU in the order they had: the first of the list (the most recently used) the last
     evicted."""
-    done, total, arrived = 0, 0, 0
+    done, arrived = 0, 0
     todo = []
     warmed = []
+    budget = _budget(limit_bytes)
     for p in pages:
         if slot_size(p.page_bytes) > tiers.cfg.pool.slab_size:
             continue  # pool.slab_size was lowered since the list was written: no slot can hold it
         known = tiers.namespaces.setdefault(p.ns, p.page_bytes)
         if known != p.page_bytes:
             continue
-        total += p.page_bytes
-        if total > limit_bytes:
+        if budget.take(p.ns, p.page_bytes):
+            todo.append(p)
+        elif budget.full:
             break
-        todo.append(p)
     for start in range(0, len(todo), CHUNK):
         chunk = todo[start : start + CHUNK]
         by_ns: dict[tuple[str, int, bool], list[str]] = {}

@@ -588,8 +588,12 @@ class Daemon:
     def _warm_path(self) -> str:
         return config.resolve_path(self.cfg, self.cfg.warmup.state_file)
 
-    def _warm_limit(self) -> int:
-        return int(self.cfg.warmup.max_fraction * self.pool.size)
+    def _warm_limit(self) -> warmup.Budget:
+        """warmup.max_fraction of the pool; with tenants, of each tenant's pool."""
+        fraction = self.cfg.warmup.max_fraction
+        if not self.tiers.tenanted:
+            return warmup.Budget(int(fraction * self.pool.size))
+        return warmup.Budget([int(fraction * a.size) for a in self.pool.arenas], self.tiers.arena_of)
 
     async def _warmup(self) -> None:
         loop = asyncio.get_running_loop()
