@@ -164,6 +164,7 @@ class PageIndex:
         self.reserved_bytes = 0
         self.arena_dirty = [0] * len(self.allocs)  # dirty_bytes by arena
         self.arena_reserved = [0] * len(self.allocs)  # reserved_bytes by arena
+        self.arena_evictable = [0] * len(self.allocs)  # evictable_bytes by arena
         self.counters: collections.Counter[str] = collections.Counter()
         # Called with the entries that leave the index (evicted, aborted, failed fill): a list, so that a
         # full pool's evictions for a whole request are told in one call.
@@ -396,6 +397,7 @@ class PageIndex:
                 lru[entry] = entry
                 entry.in_lru = True
                 self.evictable_bytes += entry.cls.slot_bytes
+                self.arena_evictable[entry.cls.arena] += entry.cls.slot_bytes
         elif entry.in_lru:
             self._unlist(entry)
         if entry.dirty and entry.state == READY and not entry.queued:
@@ -410,6 +412,7 @@ class PageIndex:
         del self._lru[entry.cls][entry]
         entry.in_lru = False
         self.evictable_bytes -= entry.cls.slot_bytes
+        self.arena_evictable[entry.cls.arena] -= entry.cls.slot_bytes
 
     def lru_lists(self) -> list[OrderedDict[Entry, Entry]]:
         """The evictable pages of each size class, least recently used first."""
@@ -493,6 +496,7 @@ class PageIndex:
         self.on_remove(victims)
         self._count -= n
         self.evictable_bytes -= n * cls.slot_bytes
+        self.arena_evictable[cls.arena] -= n * cls.slot_bytes
         self.counters["evictions"] += n
         return out
 
@@ -523,11 +527,14 @@ class PageIndex:
                     return True
         return False
 
-    def reclaimable_fraction(self) -> float:
-        """Share of the pool that is free or could be evicted now (write-back flushes below a watermark)."""
-        free = sum(len(a.free_slabs) * a.slab_bytes for a in self.allocs)
-        free += sum(len(c.free) * c.slot_bytes for c in self.all_classes())
-        return (free + self.evictable_bytes) / self.capacity
+    def reclaimable_fraction(self, arena: int | None = None) -> float:
+        """Share of an arena (a tenant's pool) that is free or could be evicted now (write-back flushes
+        below a watermark); without `arena`, the least of every arena's (the whole pool's, with one)."""
+        if arena is None:
+            return min(self.reclaimable_fraction(i) for i in range(len(self.allocs)))
+        a = self.allocs[arena]
+        free = len(a.free_slabs) * a.slab_bytes + sum(len(c.free) * c.slot_bytes for c in a.classes.values())
+        return (free + self.arena_evictable[arena]) / a.capacity
 
     @property
     def capacity(self) -> int:

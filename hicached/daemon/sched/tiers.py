@@ -1125,14 +1125,17 @@ class Tiers:
             self._pressure.clear()
             if self.connector is None:
                 continue
-            while self.index.dirty and self.index.reclaimable_fraction() < mark or self._no_room():
+            while self.index.dirty and (low := self._pressed(mark)):
                 # A round: as much as the backup workers write at once, then look again.
                 st = self.cfg.storage
                 pages, budget = (
                     st.backup_batch_pages * st.backup_concurrency,
                     st.backup_batch_bytes * st.backup_concurrency,
                 )
-                for entry in list(itertools.islice(self.index.dirty.values(), pages)):
+                dirty = self.index.dirty.values()
+                if len(low) < len(self.index.allocs):  # tenants: the pools under the mark first
+                    dirty = (e for e in dirty if e.cls.arena in low)
+                for entry in list(itertools.islice(dirty, pages)):
                     self.backup.submit(entry)
                     budget -= entry.size
                     if budget <= 0:
@@ -1141,9 +1144,16 @@ class Tiers:
                 if not self.index.dirty:
                     break
 
-    def _no_room(self) -> bool:
-        free_slabs = any(a.free_slabs for a in self.index.allocs)
-        return bool(self.index.dirty) and self.index.evictable_bytes == 0 and not free_slabs
+    def _pressed(self, mark: float) -> set[int]:
+        """The arenas (tenants' pools; the one pool without tenants) with pages to write out: free or
+        evictable below the write-back watermark, or no room left at all."""
+        idx = self.index
+        return {
+            i
+            for i, a in enumerate(idx.allocs)
+            if idx.arena_dirty[i]
+            and (idx.reclaimable_fraction(i) < mark or (idx.arena_evictable[i] == 0 and not a.free_slabs))
+        }
 
     def stats(self, pool: dict | None = None) -> dict:
         """`pool`: the index's counts, if taken already (PageIndex.stats_sliced); else taken here."""

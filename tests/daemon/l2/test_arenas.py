@@ -186,3 +186,47 @@ async def test_without_a_default_share_the_default_tenant_gets_no_pool(tmp_path)
         assert offsets == [-1]  # nothing of a namespace no arena holds is stored
     finally:
         t.pool.close()
+
+
+async def test_write_back_writes_out_the_tenant_whose_pool_fills(tmp_path):
+    """Under write-back, the watermark is each tenant's: a's pool full of pages not yet in L3 is written out
+    (and takes new pages) while b's pool, and so the pool as a whole, is nearly empty."""
+    import asyncio
+
+    from hicached.connectors.file import FileConnector
+
+    cfg = config.from_dict(
+        {
+            "pool": {"capacity": "8MiB", "slab_size": "1MiB", "prefault": False},
+            "storage": {
+                "write_policy": "write_back",
+                "file": {"root": "data"},
+                "breaker": {"stall_timeout": "60s"},
+            },
+            "tenants": {
+                "a": {"uids": [1001], "namespaces": ["a.*"], "capacity": "2MiB"},
+                "b": {"uids": [1002], "namespaces": ["b.*"], "capacity": "4MiB"},
+            },
+        },
+        base_dir=str(tmp_path),
+    )
+    caps = {n: t.capacity for n, t in cfg.tenants.items()}
+    conn = FileConnector(cfg)
+    await conn.start()
+    t = Tiers(cfg, Pool(0, prefault=False, arenas=arena_sizes(caps, cfg.pool.capacity, MiB)), conn)
+    t.start()
+    try:
+        a = session(t, "a", "a.m")
+        arena = t.pool.arena("a").index
+        stored = 0
+        for i in range(64):  # twice a's pool
+            local = store(t, a, [f"k{i}"], 1)
+            stored += local[0] >= 0
+            await asyncio.sleep(0.01)
+        assert stored > 2 * MiB // PAGE  # a kept taking pages: its own were written out to make room
+        assert t.index.reclaimable_fraction() <= t.index.reclaimable_fraction(t.pool.arena("b").index)
+        assert t.counters["backup.pages"] > 0 or t.index.arena_dirty[arena] < 2 * MiB
+    finally:
+        await t.stop()
+        await t.backend.close()
+        t.pool.close()
