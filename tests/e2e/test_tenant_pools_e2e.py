@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import shutil
 import socket
+import urllib.request
 
 import pytest
 from daemon_proc import DaemonProcess
 from other_uid import other_user, run_as, shared_workdir
+from ports import free_port
 
 from hicached.common import protocol
 from hicached.common.errors import UNAUTHORIZED, HicachedError
@@ -133,11 +136,13 @@ def test_the_welcome_hands_each_tenant_its_own_pool(tenant):
     tenants = {"b": {"uids": [4242], "namespaces": ["b.*"], "capacity": "8MiB"}}
     if tenant == "a":
         tenants["a"] = {"uids": [0], "namespaces": ["a.*"], "capacity": "4MiB"}
+    port = free_port()
     d = DaemonProcess(
         workdir,
         {
             "pool": {"capacity": "32MiB", "slab_size": "1MiB"},
             "storage": {"backend": "none"},
+            "metrics": {"listen": f"127.0.0.1:{port}"},
             "tenants": tenants,
         },
     )
@@ -159,6 +164,12 @@ def test_the_welcome_hands_each_tenant_its_own_pool(tenant):
             assert c.store(KEYS[:4], [payload(i) for i in range(4)]) == [True] * 4
             bufs = [bytearray(PAGE) for _ in range(4)]
             assert c.load(KEYS[:4], bufs) == 4 and all(b == payload(i) for i, b in enumerate(bufs))
+        # The operator's metrics give each tenant's pool.
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        name = "a" if tenant == "a" else "default"
+        assert re.search(rf'^hicached_tenant_pool_pages\{{tenant="{name}"\}} 4\.0$', body, re.M), body
+        cap = re.search(r'^hicached_tenant_pool_capacity_bytes\{tenant="b"\} (\S+)$', body, re.M)
+        assert cap and float(cap.group(1)) == 8 << 20, body
     finally:
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -115,6 +115,21 @@ class DaemonCollector(Collector):
             ("hicached_connections", "Engine connections", len(d.server.connections) if d.server else 0),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        if tiers.tenanted:  # each tenant's pool (hicached.daemon.l2.pool: an arena)
+            per = {
+                key: GaugeMetricFamily(f"hicached_tenant_pool_{key}", doc, labels=["tenant"])
+                for key, doc in (
+                    ("capacity_bytes", "A tenant's L2 pool capacity"),
+                    ("used_bytes", "L2 bytes in slots in use in a tenant's pool"),
+                    ("pages", "Pages in a tenant's L2 pool"),
+                    ("unbacked_bytes", "Bytes of a tenant's pool held for pages not yet in L3"),
+                )
+            }
+            for a in tiers.pool.arenas:
+                figures = tiers.tenant_stats(a.name)
+                for key, family in per.items():
+                    family.add_metric([a.name], figures[key])
+            yield from per.values()
         attached = GaugeMetricFamily(
             "hicached_backend_attached", "1 when an L3 backend is attached", labels=["backend", "state"]
         )
