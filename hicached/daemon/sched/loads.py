@@ -1,0 +1,172 @@
+"""Lookups and loads: which keys L2 or L3 hold, and leases on the pages an engine copies out (reading them
+from L3 first if asked). Methods of Tiers (tiers.py holds the state)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from hicached.common.errors import NOT_FOUND, HicachedError
+from hicached.config import Config
+from hicached.connectors.base import BackendError, Connector
+from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex
+from hicached.daemon.sched.backend import Backend
+from hicached.daemon.sched.prefetch import Prefetcher
+from hicached.daemon.sched.session import Session
+
+LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
+
+
+class Loads:
+    """Tiers' lookup and load requests (state set up in Tiers.__init__)."""
+
+    cfg: Config
+    index: PageIndex
+    backend: Backend
+    prefetcher: Prefetcher
+    counters: collections.Counter[str]
+    last_engine_io: float
+    connector: Connector | None
+
+    # Lookup and load.
+
+    def _leading_l2(self, ns: str, keys: list[str]) -> list[Entry]:
+        out = []
+        get = self.index.ns_entries(ns).get
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.state == WRITING:
+                break
+            out.append(entry)
+        return out
+
+    def exists_l2(self, s: Session, keys: list[str]) -> int | None:
+        """The answer to `exists` when L2 alone settles it (all keys there, or no L3), else None."""
+        n = len(self._leading_l2(s.ns, keys))
+        if n == len(keys) or self.connector is None:
+            self.counters["lookup.l2_hits"] += n
+            self.counters["lookup.misses"] += len(keys) > n
+            return n
+        return None
+
+    def exists(self, s: Session, keys: list[str]) -> Coroutine[Any, Any, int]:
+        """Leading hits in L2 then L3, in the session's namespace as it is now, when the request is taken:
+        the coroutine may first run after a hello that the engine sent next (hicached.daemon.server)."""
+        return self._exists(s.ns, keys)
+
+    async def _exists(self, ns: str, keys: list[str]) -> int:
+        n = len(self._leading_l2(ns, keys))
+        self.counters["lookup.l2_hits"] += n
+        if n < len(keys) and self.connector is not None:
+            rest = keys[n:]
+            try:
+                more = await self.backend.call("exists", lambda c: c.exists(ns, rest))
+            except BackendError as e:
+                self.counters[f"lookup.l3_errors.{e.reason}"] += 1
+                more = 0
+            self.counters["lookup.l3_hits"] += more
+            n += more
+        self.counters["lookup.misses"] += len(keys) > n
+        return n
+
+    def present(self, s: Session, keys: list[str]) -> Coroutine[Any, Any, list[bool]]:
+        """Whether each key is in L2 or L3 (not only the leading ones), in the session's namespace as it is
+        when the request is taken: what a pool that keeps only some pages of a prefix (the trailing ones)
+        needs to know."""
+        return self._present(s.ns, keys)
+
+    async def _present(self, ns: str, keys: list[str]) -> list[bool]:
+        get = self.index.ns_entries(ns).get
+        out = [(e := get(k)) is not None and e.state != WRITING for k in keys]
+        hits = sum(out)
+        self.counters["lookup.l2_hits"] += hits
+        missing = [i for i, here in enumerate(out) if not here]
+        if missing and self.connector is not None:
+            rest = [keys[i] for i in missing]
+            try:
+                found = await self.backend.call("exists", lambda c: c.present(ns, rest))
+            except BackendError as e:
+                self.counters[f"lookup.l3_errors.{e.reason}"] += 1
+                found = [False] * len(rest)
+            for i, here in zip(missing, found, strict=True):
+                out[i] = bool(here)
+            self.counters["lookup.l3_hits"] += sum(found)
+        self.counters["lookup.misses"] += len(keys) - sum(out)
+        return out
+
+    def all_ready(self, s: Session, keys: list[str]) -> bool:
+        """Every key is a ready page of the session's namespace in L2 (the fast path of lookups)."""
+        get = self.index.ns_entries(s.ns).get
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.state != READY:
+                return False
+        return bool(keys)
+
+    def acquire_ready(self, s: Session, keys: list[str]) -> tuple[int, list[int]]:
+        """acquire() for keys that all_ready() just vouched for: nothing to wait on."""
+        self.last_engine_io = time.monotonic()
+        by_key = self.index.ns_entries(s.ns)
+        entries = [by_key[key] for key in keys]
+        self.index.lease_all(entries)
+        self.counters["load.pages"] += len(entries)
+        self.counters["load.bytes"] += len(entries) * s.page_bytes
+        lease = next(s.ids)
+        s.leases[lease] = entries
+        return lease, [e.offset for e in entries]
+
+    def acquire(self, s: Session, keys: list[str], fetch: bool) -> Coroutine[Any, Any, tuple[int, list[int]]]:
+        """Leases the leading pages present in L2 (reading missing ones from L3 first when `fetch`);
+        returns a lease id and their offsets. In the session's namespace as it is now, when the request is
+        taken: the coroutine may first run after a hello that the engine sent next (the server)."""
+        return self._acquire(s, s.ns, s.page_bytes, keys, fetch)
+
+    async def _acquire(
+        self, s: Session, ns: str, page_bytes: int, keys: list[str], fetch: bool
+    ) -> tuple[int, list[int]]:
+        self.last_engine_io = time.monotonic()
+        entries = self._leading_l2(ns, keys)
+        self.index.lease_all(entries)
+        self.prefetcher.merge(entries)
+        if fetch and len(entries) < len(keys):
+            entries += self.prefetcher.fetch(ns, keys[len(entries) :], page_bytes, LOAD_PRIORITY, lease=True)
+        try:
+            await self._settle(entries, self.cfg.server.request_timeout)
+        except BaseException:  # the connection went away while we waited: give the leases back
+            self.index.unlease_all(entries)
+            raise
+        n = self._leading_ready(entries)
+        self.index.unlease_all(entries[n:])
+        self.counters["load.pages"] += n
+        self.counters["load.bytes"] += n * page_bytes
+        self.counters["load.misses"] += len(keys) > n
+        if n == 0:
+            return 0, []
+        lease = next(s.ids)
+        s.leases[lease] = entries[:n]
+        return lease, [e.offset for e in entries[:n]]
+
+    def hold_lease(self, s: Session, lease: int) -> None:
+        """Takes lease `lease` (just granted by acquire) out of the engine's reach while the daemon copies
+        out of its pages (load_pages): release_held ends it, or close_session."""
+        s.loading[lease] = s.leases.pop(lease)
+
+    def release_held(self, s: Session, lease: int) -> None:
+        self.index.unlease_all(s.loading.pop(lease))
+
+    def release(self, s: Session, lease: int) -> None:
+        entries = s.leases.pop(lease, None)
+        if entries is None:
+            raise HicachedError(NOT_FOUND, f"no lease {lease} on this connection")
+        self.index.unlease_all(entries)
+
+    async def _settle(self, entries: list[Entry], timeout: float) -> None:
+        futures = {e.fill for e in entries if e.state == FILLING and e.fill is not None}  # one per batch
+        if futures and timeout > 0:
+            await asyncio.wait(futures, timeout=timeout)
+
+    def _leading_ready(self, entries: list[Entry]) -> int:
+        return self.index.leading_live(entries[0].ns, entries, READY) if entries else 0

@@ -1,0 +1,265 @@
+"""Stores: a slot for each new page (alloc, or reserve ahead), the engine writes its bytes, then commit or put
+makes it a ready page of L2 and queues it for L3. Methods of Tiers (tiers.py holds the state)."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import xxhash
+
+from hicached.common.errors import BAD_REQUEST, HicachedError
+from hicached.common.protocol import (
+    ALLOC_BUSY,
+    ALLOC_NO_SPACE,
+    ALLOC_PRESENT,
+    ALLOC_WRITE,
+    PUT_BUSY,
+    PUT_PRESENT,
+    PUT_STORED,
+)
+from hicached.config import Config
+from hicached.connectors.base import Connector
+from hicached.daemon.l2.index import READY, WRITING, Entry, PageIndex, PageRecords
+from hicached.daemon.l2.pool import Pool
+from hicached.daemon.l2.slabs import slot_size
+from hicached.daemon.sched.backup import Backup
+from hicached.daemon.sched.session import Session
+
+
+class Stores:
+    """Tiers' store requests (state set up in Tiers.__init__)."""
+
+    cfg: Config
+    pool: Pool
+    index: PageIndex
+    backup: Backup
+    counters: collections.Counter[str]
+    headers: PageRecords | None
+    known_in_l3: collections.OrderedDict[tuple[str, str], None]
+    stranded: set[Entry]
+    last_engine_io: float
+    write_back: bool
+    connector: Connector | None
+
+    # Store: alloc -> engine writes the bytes -> commit.
+
+    def alloc(self, s: Session, keys: list[str]) -> tuple[list[int], list[int]]:
+        """A slot for each key not in L2 yet (ALLOC_WRITE, leased until committed or aborted), in one go:
+        the slots of the whole request are taken together (a full pool's evictions in one loop)."""
+        self.last_engine_io = time.monotonic()
+        n = len(keys)
+        status, offsets = [ALLOC_PRESENT] * n, [-1] * n
+        through = self.connector is not None and not self.write_back
+        held = len(s.writing) + len(s.copying)
+        room = self.backup.queue_pages - self.backup.pending - held if through else n
+        if through and self.cfg.storage.when_backlog_full == "refuse":
+            room = min(room, self._backlog_room(s) - held)
+        get = self.index.ns_entries(s.ns).get
+        given_up = self.backup.abandoned if self.connector is not None else ()
+        retry: list[Entry] = []
+        want: list[int] = []  # positions that get a slot
+        first: dict[str, int] = {}  # key -> its first position, for a key asked twice
+        again: list[tuple[int, int]] = []
+        for i, key in enumerate(keys):
+            entry = get(key)
+            if entry is not None:
+                if entry.state == READY:
+                    self.index.touch(entry)
+                    if given_up and entry in given_up:
+                        retry.append(entry)
+            elif key in first:
+                again.append((i, first[key]))
+            elif len(want) >= room:
+                self.counters["store.busy"] += 1
+                status[i] = ALLOC_BUSY
+                first[key] = i
+            else:
+                want.append(i)
+                first[key] = i
+        if want:
+            cls, slots = self.index.take_slots(s.page_bytes, len(want), s.ns)
+            entries = self.index.entries_at(
+                s.ns, [keys[i] for i in want[: len(slots)]], s.page_bytes, cls, slots, WRITING, leases=1
+            )
+            for i, entry in zip(want, entries, strict=False):  # entries may be fewer
+                s.writing[entry.key] = entry
+                status[i] = ALLOC_WRITE
+                offsets[i] = entry.offset
+            if len(entries) < len(want):
+                self.counters["store.no_space"] += len(want) - len(entries)
+                if self.write_back:
+                    self._pressure.set()
+                for i in want[len(entries) :]:
+                    status[i] = ALLOC_NO_SPACE
+        for i, j in again:  # as if asked after its first place: there now, or refused alike
+            if status[j] != ALLOC_WRITE:
+                status[i] = status[j]
+                self.counters["store.busy" if status[j] == ALLOC_BUSY else "store.no_space"] += 1
+        if retry:
+            self._retry_given_up(retry)
+        return status, offsets
+
+    def commit(self, s: Session, keys: list[str], sums: list[int] | None = None) -> list[bool]:
+        """The pages the engine wrote into slots from alloc are stored; `sums`: their checksums, if the
+        client took them (the backup then writes them as they are)."""
+        out = []
+        backup = []
+        for i, key in enumerate(keys):
+            entry = s.writing.pop(key, None)
+            if entry is None:
+                out.append(False)
+                continue
+            if sums is not None:
+                entry.checksum = sums[i]
+            if self._stored(entry):
+                backup.append(entry)
+            out.append(True)
+        self.backup.submit_many(backup)
+        self._after_stores()
+        return out
+
+    def hold_writing(self, s: Session, keys: list[str]) -> list[Entry]:
+        """The slots alloc just gave `keys` (all different), taken out of the engine's reach while the daemon
+        copies into them (store_pages): commit_held or abort_held ends them, or close_session."""
+        entries = [s.writing.pop(key) for key in keys]
+        s.copying.update(entries)
+        return entries
+
+    def commit_held(self, s: Session, entries: list[Entry], sums: list[int] | None = None) -> None:
+        """commit() of slots from hold_writing, whose copy ended; `sums`: their checksums, taken by the copy
+        executor once it had."""
+        backup = []
+        for i, entry in enumerate(entries):
+            s.copying.discard(entry)
+            if sums is not None:
+                entry.checksum = sums[i]
+            if self._stored(entry):
+                backup.append(entry)
+        self.backup.submit_many(backup)
+        self._after_stores()
+
+    def abort_held(self, s: Session, entries: list[Entry]) -> None:
+        """abort() of slots from hold_writing whose copy failed (or never started)."""
+        for entry in entries:
+            s.copying.discard(entry)
+            self.index.unlease(entry)
+            self.index.remove(entry)
+
+    def _stored(self, entry: Entry) -> bool:
+        """A page whose bytes the engine has written (leased while it did) becomes ready. True when it
+        is for the backup queue now (write-through): the caller submits a request's pages together."""
+        if entry.checksum is None:
+            # A client that sent none (the protocol has them optional): taken now, as the page enters L2.
+            # What its bytes must hash to from now on: L3 publishes it only if they do.
+            entry.checksum = xxhash.xxh3_64_intdigest(self.pool.slot(entry.offset, entry.size))
+        entry.state = READY
+        k = (entry.ns, entry.key)
+        if k in self.known_in_l3:
+            del self.known_in_l3[k]
+            entry.in_l3 = True  # it was there when this page last left L2: not written again
+            self.counters["store.known_in_l3"] += 1
+        if self.connector is not None:
+            entry.dirty = not entry.in_l3
+        elif not entry.in_l3 and self.cfg.storage.backend != "none":
+            # Owed to the configured backend, which is away (its breaker open, detached): backed up when it
+            # attaches. With storage.backend = "none" the daemon is L2 only: nothing is owed.
+            self.stranded.add(entry)
+        if self.headers is not None:
+            self.headers.commit(entry)  # before the answer: an acknowledged page outlives a crash
+        self.index.unlease(entry)
+        self.counters["store.pages"] += 1
+        self.counters["store.bytes"] += entry.size
+        return entry.dirty and not self.write_back
+
+    def _retry_given_up(self, entries: list[Entry]) -> None:
+        """Pages the backup gave up on that an engine stored again while still in L2: owed to L3 again, so
+        held for it and written (the backend may take them now), not lost when they leave L2 once written."""
+        for entry in entries:
+            self.backup.abandoned.discard(entry)
+            entry.dirty = True
+            self.index.update(entry)
+        if not self.write_back:
+            self.backup.submit_many(entries)
+
+    # Store from reserved slots: reserve (ahead, answered while the engine copies) -> the engine writes
+    # the bytes into slots it already holds -> put binds each slot to its key. A store then waits on
+    # one round trip (the put), not two; the reserve is refilled in the background of the next copies.
+
+    def reserve(self, s: Session, n: int) -> tuple[list[int], int]:
+        """Up to `n` more slots set aside for this connection's stores, within pool.reserve_per_connection
+        and, over all connections, pool.reserve_max_fraction of the pool. Evicts like a store would.
+        Returns their offsets and how many this connection may hold."""
+        self.last_engine_io = time.monotonic()
+        slot = slot_size(s.page_bytes)
+        arena = self.arena_of(s.ns)
+        if arena < 0:
+            return [], 0
+        every = int(self.cfg.pool.reserve_max_fraction * self.index.allocs[arena].capacity)
+        limit = min(self.cfg.pool.reserve_per_connection, every) // slot
+        n = min(n, limit - len(s.reserved), (every - self.index.arena_reserved[arena]) // slot)
+        entries = self.index.reserve(s.ns, s.page_bytes, n) if n > 0 else []
+        if len(entries) < n:
+            self.counters["store.no_space"] += 1
+            if self.write_back:
+                self._pressure.set()
+        offsets = []
+        for entry in entries:
+            s.reserved[entry.offset] = entry
+            offsets.append(entry.offset)
+        return offsets, limit
+
+    def put(
+        self, s: Session, keys: list[str], offsets: list[int], sums: list[int] | None = None
+    ) -> list[int]:
+        """Binds reserved slots, whose bytes the engine wrote, to `keys`: a PUT_* status per key. A slot
+        whose key is there already, or that the backup queue cannot take, stays reserved. `sums`: as in
+        commit."""
+        if not all(type(o) is int and o in s.reserved for o in offsets):
+            raise HicachedError(BAD_REQUEST, "put names a slot this connection has not reserved")
+        if len(offsets) != len(keys) or len(set(offsets)) != len(offsets):
+            raise HicachedError(BAD_REQUEST, "put needs one distinct offset per key")
+        self.last_engine_io = time.monotonic()
+        through = self.connector is not None and not self.write_back
+        status = []
+        backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
+        held = len(s.writing) + len(s.copying)  # slots of this connection on their way to the queue too
+        room = self.backup.queue_pages - self.backup.pending - held
+        if through and self.cfg.storage.when_backlog_full == "refuse":
+            room = min(room, self._backlog_room(s) - held)
+        given_up = self.backup.abandoned if self.connector is not None else ()
+        retry: list[Entry] = []
+        for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
+            entry = self.index.get(s.ns, key)
+            if entry is not None:
+                if entry.state == READY:
+                    self.index.touch(entry)
+                    if given_up and entry in given_up:
+                        retry.append(entry)
+                status.append(PUT_PRESENT)
+                continue
+            if through and len(backup) >= room:
+                self.counters["store.busy"] += 1
+                status.append(PUT_BUSY)
+                continue
+            entry = s.reserved.pop(off)
+            self.index.bind(entry, key)
+            entry.checksum = None if sums is None else sums[i]
+            if self._stored(entry):
+                backup.append(entry)
+            status.append(PUT_STORED)
+        self.backup.submit_many(backup)
+        if retry:
+            self._retry_given_up(retry)
+        self._after_stores()
+        return status
+
+    def abort(self, s: Session, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            entry = s.writing.pop(key, None)
+            if entry is not None:
+                self.index.unlease(entry)
+                self.index.remove(entry)
+                n += 1
+        return n
