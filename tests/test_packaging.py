@@ -201,7 +201,7 @@ def _check(out: dict) -> None:
         assert out[name] == "ok", (name, out[name])
     assert out["public"] == [
         "hicached.engine.client",
-        "hicached.engine.client",
+        "hicached.engine.async_client",
         "hicached.common.errors",
         "hicached.common.keys",
         "hicached.engine.regions",
