@@ -6,7 +6,8 @@ Each accepted socket is checked with SO_PEERCRED, sent a welcome frame carrying 
 Connection protocol. Requests that need no waiting are answered inline; the others run as tasks, several
 per connection. A frame that cannot be read closes its connection only. The first bytes a peer sends are
 read on the raw socket: if an fd came with them, the connection registers a host memory region (see
-hicached.common.protocol) and is closed after its answer.
+hicached.common.protocol and .attach) and is closed after its answer. The requests' handlers are in .handlers,
+what `status` and `stats` show each asker in .views.
 
 Roles: operators (root, the daemon's uid, server.operator_uids/gids) may use every control on server.socket;
 engines (server.allowed_uids/gids, the members of tenants) get `unauthorized` for the controls that change the
@@ -26,33 +27,28 @@ import secrets
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hicached.common import protocol
 from hicached.common.errors import (
-    BAD_REQUEST,
     BUSY,
     DRAINING,
-    INTERNAL,
-    NOT_FOUND,
     TIMEOUT,
     UNAUTHORIZED,
     HicachedError,
 )
-from hicached.common.keys import check_keys, check_namespace
-from hicached.common.protocol import ALLOC_WRITE, arg, keys_arg
 from hicached.config import Config, resolve_path
 from hicached.config.tenants import DEFAULT
 from hicached.daemon.regions.service import RegionService
 from hicached.daemon.sched.tiers import Session, Tiers
+from hicached.daemon.server import views
+from hicached.daemon.server.attach import attach_connection
 from hicached.daemon.server.budget import PendingBudget
 from hicached.daemon.server.connection import Connection
+from hicached.daemon.server.handlers import Handler, Unanswered, engine_handlers
 from hicached.daemon.server.tenants import TenantTable
 
 log = logging.getLogger("hicached.server")
-
-Handler = Callable[[Session, dict[str, Any]], Any]
 
 MAX_FDS = 4  # fds read with a connection's first bytes; region_attach takes exactly one
 
@@ -61,18 +57,6 @@ ENGINE = "engine"
 NO_ARENA_BYTES = 4096
 # Controls an engine may use: they change nothing (`backend` only with action "show").
 READ_ONLY_CONTROLS = frozenset({"status", "stats"})
-
-
-class _Unanswered(dict):
-    """The handlers of a server being handed over: every op is held without an answer until its
-    connection closes (cancelling it); nothing runs."""
-
-    def get(self, op: Any, default: Any = None) -> Handler:
-        return _never_answered
-
-
-def _never_answered(session: Session, req: dict[str, Any]) -> asyncio.Future[Any]:
-    return asyncio.get_running_loop().create_future()
 
 
 class Server:
@@ -86,9 +70,9 @@ class Server:
         self.stopping = False  # no new connections either
         self.refused = 0
         self._refused_by_uid: dict[int, int] = {}
-        # Listening sockets by path: server.socket's first, then the tenants' (path -> tenant in _tenant_of).
+        # Listening sockets by path: server.socket's first, then the tenants' (path -> tenant in tenant_of).
         self._listeners: dict[str, socket.socket] = {}
-        self._tenant_of: dict[str, str] = {}
+        self.tenant_of: dict[str, str] = {}
         self._unlink: set[str] = set()  # paths this server removes at its stop (not systemd's socket)
         self._accept_tasks: list[asyncio.Task[None]] = []
         self._empty_fd = -1  # _no_arena's memfd
@@ -96,22 +80,22 @@ class Server:
         self._engines_admitting = 0  # engine connections past their first bytes, not yet in `connections`
         self.regions = RegionService(lambda: self.cfg, tiers)
         self.by_token: dict[str, Connection] = {}  # welcome token -> connection, for region_attach
-        self.handlers: dict[str, Handler] = self._engine_handlers()
+        self.handlers: dict[str, Handler] = engine_handlers(self, tiers)
         self.handlers.update(self.regions.handlers())
         self.handlers.update(control or {})
         self.control_ops = frozenset(control or {}) | READ_ONLY_CONTROLS
         self.budget = PendingBudget(lambda: self.cfg.server)
         self.unauthorized = 0  # controls refused to engines
         self.handshake_timeouts = 0  # connections closed without a hello or a control request in time
-        try:  # sent with a fence board's answer (see _attach_connection)
-            self._pidfd = os.pidfd_open(os.getpid())
+        try:  # sent with a fence board's answer (see attach.attach_connection)
+            self.pidfd = os.pidfd_open(os.getpid())
         except (OSError, AttributeError):
-            self._pidfd = -1
+            self.pidfd = -1
 
     def _close_pidfd(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
     @property
     def cfg(self) -> Config:
@@ -164,7 +148,7 @@ class Server:
         lsock.setblocking(False)
         self._listeners[path] = lsock
         if tenant:
-            self._tenant_of[path] = tenant
+            self.tenant_of[path] = tenant
         self._accept_tasks.append(asyncio.create_task(self._accept_loop(lsock, path), name=f"accept {path}"))
 
     def stop_accepting(self) -> None:
@@ -224,7 +208,7 @@ class Server:
         await asyncio.gather(*self._admitting, return_exceptions=True)
         # Not `draining`: that answers requests with an error. A request read from now on gets no answer:
         # its engine sees the connection close and sends it again, to the next instance.
-        self.handlers = _Unanswered()
+        self.handlers = Unanswered()
         pending = [t for c in self.connections for t in c.tasks]
         for c in self.connections:
             if c.transport is not None:
@@ -314,7 +298,7 @@ class Server:
         server.socket a peer belongs to the first tenant its uid, then its gid, matches, and the operators and
         server.allowed_uids/gids that match none are in the default tenant."""
         if via:
-            tenant = self._tenant_of.get(via)
+            tenant = self.tenant_of.get(via)
             return (ENGINE, tenant) if tenant is not None else (None, DEFAULT)
         role = self.role(uid, gid)
         tenant = self.tenants.member(uid, gid)
@@ -325,7 +309,7 @@ class Server:
     def _no_arena(self) -> int:
         """A page of memory that belongs to no tenant, handed to a peer whose tenant has no L2 (an operator
         of the default tenant when [tenants] take all of pool.capacity): its client maps something, and its
-        hello is refused (_check_namespace)."""
+        hello is refused (handlers.check_tenant_namespace)."""
         if self._empty_fd < 0:
             self._empty_fd = os.memfd_create("hicached-no-arena", os.MFD_CLOEXEC)
             os.ftruncate(self._empty_fd, NO_ARENA_BYTES)
@@ -433,7 +417,7 @@ class Server:
             socket.send_fds(sock, [welcome], [arena_fd])
             first, fds = await self._first_bytes(sock, deadline)
             if fds:
-                await self._attach_connection(sock, first, fds, uid, deadline, via)
+                await attach_connection(self, sock, first, fds, uid, deadline, via)
                 return
             if not first:
                 self.handshake_timeouts += 1
@@ -490,112 +474,6 @@ class Server:
             raise OSError(f"peer sent more than {MAX_FDS} fds")
         return data, fds
 
-    async def _attach_connection(
-        self, sock: socket.socket, data: bytes, fds: list[int], uid: int, deadline: float, via: str = ""
-    ) -> None:
-        """A connection that registers a host region: one region_attach frame that came with the region's
-        memfd, one answer, then it closes. The region belongs to the connection named by `token`, of the same
-        uid and, when it came through a tenant socket, of that tenant. Its unfinished frame counts against
-        server.max_pending_bytes: past it the connection is answered busy."""
-        loop = asyncio.get_running_loop()
-        rid = 0
-        answer: dict[str, Any] | None = None
-        held = self.budget.side()
-        try:
-            decoder = protocol.FrameDecoder(self.cfg.server.max_frame)
-            msgs = decoder.feed(data)
-            while not msgs:
-                if not held.hold(decoder.pending):
-                    raise HicachedError(
-                        BUSY, "the daemon holds too many unfinished requests (max_pending_bytes)"
-                    )
-                more = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), max(0.0, deadline - loop.time()))
-                if not more:
-                    break  # the peer went away before its frame was whole
-                msgs = decoder.feed(more)
-            held.hold(0)
-            if msgs:
-                msg = msgs[0]
-                if isinstance(msg, dict) and isinstance(msg.get("id"), int):
-                    rid = msg["id"]
-                answer = await self._region_attach(msg, fds, uid, via)
-                answer["id"] = rid
-        except HicachedError as e:
-            answer = protocol.error_answer(rid, e.code, e.message)
-        except protocol.FrameError as e:
-            answer = protocol.error_answer(rid, BAD_REQUEST, f"unreadable region_attach frame: {e}")
-        except TimeoutError:
-            answer = protocol.error_answer(rid, BAD_REQUEST, "region_attach frame incomplete in time")
-        except OSError:
-            raise  # the socket failed: nobody to answer (_admit logs it)
-        except Exception as e:  # a bug: answered as on an engine connection, not by closing in silence
-            log.exception("internal error answering region_attach on a side connection")
-            answer = protocol.error_answer(
-                rid, INTERNAL, f"internal error in region_attach: {type(e).__name__}: {e}"
-            )
-        finally:
-            held.hold(0)
-            for fd in fds:
-                os.close(fd)
-            if answer is None:
-                sock.close()
-        if answer is None:
-            return
-        # A peer that went away gets no answer; its region, if any, goes with its connection.
-        try:
-            with contextlib.suppress(OSError, TimeoutError):
-                data = protocol.encode(answer)
-                if answer.get("kind") == "fence" and self._pidfd >= 0:
-                    # The daemon's own pidfd with a fence board's answer: the client's wait for copies of a
-                    # request it gave up on ends when this process exits, seen even from another pid
-                    # namespace (a container), where the daemon's pid means nothing.
-                    with contextlib.suppress(BlockingIOError, InterruptedError):
-                        data = data[socket.send_fds(sock, [data], [self._pidfd]) :]
-                if data:
-                    await asyncio.wait_for(loop.sock_sendall(sock, data), 5.0)
-        finally:
-            sock.close()
-
-    async def _region_attach(self, msg: Any, fds: list[int], uid: int, via: str = "") -> dict[str, Any]:
-        if not isinstance(msg, dict) or msg.get("op") != "region_attach":
-            raise HicachedError(BAD_REQUEST, "a connection that passes an fd must open with region_attach")
-        if len(fds) != 1:
-            raise HicachedError(BAD_REQUEST, f"region_attach takes exactly one fd, got {len(fds)}")
-        conn = self.by_token.get(arg(msg, "token", str))
-        if conn is None:
-            raise HicachedError(
-                NOT_FOUND, "no open connection has this token: register regions while the connection is open"
-            )
-        if conn.uid != uid:
-            raise HicachedError(UNAUTHORIZED, "a region can only be registered by the connection's own user")
-        if via and conn.session.tenant != self._tenant_of.get(via):
-            raise HicachedError(
-                UNAUTHORIZED,
-                f"a region registered through tenant {self._tenant_of.get(via)!r}'s socket can only serve a "
-                "connection of that tenant",
-            )
-        if self.draining:
-            raise HicachedError(DRAINING, "the daemon is draining")
-        return await self.regions.attach(conn.session, msg, fds[0])
-
-    def _check_namespace(self, tenant: str, ns: str) -> None:
-        """`unauthorized` unless engines of `tenant` may open `ns` (and the tenant has L2 to store in)."""
-        table = self.tenants
-        if not table.allows(tenant, ns):
-            owner = table.owner(ns)
-            if tenant == DEFAULT:
-                why = f"it is tenant {owner!r}'s (tenants.{owner}.namespaces)"
-            else:
-                patterns = ", ".join(table.tenants[tenant].patterns)
-                why = f"tenant {tenant!r} may open {patterns} (tenants.{tenant}.namespaces)"
-            raise HicachedError(UNAUTHORIZED, f"namespace {ns!r} is not tenant {tenant!r}'s: {why}")
-        if table.configured and table.tenants[tenant].capacity <= 0:
-            raise HicachedError(
-                UNAUTHORIZED,
-                f"tenant {tenant!r} has no L2 (the tenants' capacities take all of pool.capacity): no "
-                "namespace can be opened in it",
-            )
-
     def _refuse_first(self, sock: socket.socket, first: bytes, code: str, message: str) -> None:
         """Refuses a connection that has had its welcome: the answer goes to its first request (its
         hello), so that the client sees `code` rather than a connection closed in silence."""
@@ -613,245 +491,16 @@ class Server:
             sock.send(protocol.encode(protocol.error_answer(rid, code, message)))
         sock.close()
 
-    # Engine requests.
-
-    def _engine_handlers(self) -> dict[str, Handler]:
-        t = self.tiers
-
-        def keys(s: Session, req: dict[str, Any]) -> list[str]:
-            s.require_hello()
-            try:
-                return list(check_keys(keys_arg(req, self.cfg.server.max_keys_per_request)))
-            except ValueError as e:
-                raise HicachedError(BAD_REQUEST, str(e)) from None
-
-        def sums(req: dict[str, Any], n: int) -> list[int] | None:
-            """The optional checksums of a put or commit: the xxh3-64 of each page, taken by the client as it
-            copied the page (a wrong one makes the page a miss when it is read back from L3)."""
-            got = req.get("sums")
-            if got is None:
-                return None
-            if (
-                type(got) is not list
-                or len(got) != n
-                or (n and (set(map(type, got)) != {int} or min(got) < 0 or max(got) >= 1 << 64))
-            ):  # (in C-speed passes: a bool, a float or None is refused by its type)
-                raise HicachedError(
-                    BAD_REQUEST, f"sums must be a list of {n} unsigned 64-bit integers, one a key"
-                )
-            return got
-
-        def hello(s: Session, req: dict[str, Any]) -> dict:
-            try:
-                ns = check_namespace(arg(req, "namespace", str))
-            except ValueError as e:
-                raise HicachedError(BAD_REQUEST, str(e)) from None
-            self._check_namespace(s.tenant, ns)
-            return t.hello(s, ns, arg(req, "page_bytes", int))
-
-        def all_in_l2(s: Session, req: dict[str, Any]) -> list[str] | None:
-            """The request's keys when every one is a ready page in L2: those are known to be valid, so
-            the common lookup skips validation; None otherwise."""
-            s.require_hello()
-            ks = keys_arg(req, self.cfg.server.max_keys_per_request)
-            try:
-                return ks if t.all_ready(s, ks) else None
-            except TypeError:  # an unhashable "key"
-                return None
-
-        def exists(s: Session, req: dict[str, Any]) -> Any:
-            ks = all_in_l2(s, req)
-            if ks is not None:
-                t.counters["lookup.l2_hits"] += len(ks)
-                return {"n": len(ks)}  # answered inline: no task, no extra loop pass
-            ks = keys(s, req)
-            n = t.exists_l2(s, ks)
-            if n is not None:
-                return {"n": n}
-            return _exists_l3(t.exists(s, ks))  # taken now: of the request's namespace, not a later hello's
-
-        async def _exists_l3(pending: Awaitable[int]) -> dict:
-            return {"n": await pending}
-
-        async def _present(pending: Awaitable[list[bool]]) -> dict:
-            return {"present": await pending}
-
-        def alloc(s: Session, req: dict[str, Any]) -> dict:
-            ks = keys(s, req)
-            status, offsets = t.alloc(s, ks)
-            try:
-                return {"status": status, "offsets": t.engine_offsets(s, offsets)}
-            except HicachedError:
-                t.abort(s, [k for k, st in zip(ks, status, strict=True) if st == ALLOC_WRITE])
-                raise
-
-        def reserve(s: Session, req: dict[str, Any]) -> dict:
-            s.require_hello()
-            n = arg(req, "n", int)
-            limit = self.cfg.server.max_keys_per_request
-            if not 0 <= n <= limit:
-                raise HicachedError(BAD_REQUEST, f"n must be between 0 and {limit}, got {n}")
-            offsets, may_hold = t.reserve(s, n)
-            return {"offsets": t.engine_offsets(s, offsets), "limit": may_hold}
-
-        def put(s: Session, req: dict[str, Any]) -> dict:
-            ks = keys(s, req)
-            offsets = t.pool_offsets(s, arg(req, "offsets", list))  # the engine's are within its arena
-            return {"status": t.put(s, ks, offsets, sums(req, len(ks)))}
-
-        def commit(s: Session, req: dict[str, Any]) -> dict:
-            ks = keys(s, req)
-            return {"ok": t.commit(s, ks, sums(req, len(ks)))}
-
-        def acquire(s: Session, req: dict[str, Any]) -> Any:
-            ks = all_in_l2(s, req)
-            if ks is not None:
-                return leased(s, *t.acquire_ready(s, ks))
-            # Taken now: in the namespace of the request, not of a hello sent after it.
-            return _acquire(s, t.acquire(s, keys(s, req), arg(req, "fetch", bool, True)))
-
-        async def _acquire(s: Session, pending: Awaitable[tuple[int, list[int]]]) -> dict:
-            return leased(s, *await pending)
-
-        def leased(s: Session, lease: int, offsets: list[int]) -> dict:
-            """The answer to an acquire: offsets as the engine sees them (within its tenant's arena)."""
-            try:
-                return {"lease": lease, "offsets": t.engine_offsets(s, offsets)}
-            except HicachedError:
-                if lease:
-                    t.release(s, lease)
-                raise
-
-        def release(s: Session, req: dict[str, Any]) -> dict:
-            t.release(s, arg(req, "lease", int))
-            return {}
-
-        def prefetch(s: Session, req: dict[str, Any]) -> dict:
-            return {"handle": t.prefetch(s, keys(s, req), arg(req, "priority", int, 0))}
-
-        async def wait(s: Session, req: dict[str, Any]) -> dict:
-            timeout = arg(req, "timeout", (int, float), None)
-            if timeout is not None and timeout < 0:
-                raise HicachedError(BAD_REQUEST, "timeout cannot be negative")
-            return {"n": await t.wait(s, arg(req, "handle", int), timeout)}
-
-        def status(s: Session, req: dict[str, Any]) -> dict:
-            return self.status()
-
-        def stats(s: Session, req: dict[str, Any]) -> Any:
-            return self.stats_sliced()
-
-        return {
-            "hello": hello,
-            "exists": exists,
-            "present": lambda s, req: _present(t.present(s, keys(s, req))),
-            "alloc": alloc,
-            "commit": commit,
-            "abort": lambda s, req: {"n": t.abort(s, keys(s, req))},
-            "reserve": reserve,
-            "put": put,
-            "acquire": acquire,
-            "release": release,
-            "prefetch": prefetch,
-            "wait": wait,
-            "pin": lambda s, req: {"n": t.pin(s, keys(s, req))},
-            "unpin": lambda s, req: {"n": t.unpin(s, keys(s, req))},
-            "touch": lambda s, req: {"n": t.touch(s, keys(s, req))},
-            "clear": lambda s, req: t.clear(s),
-            "status": status,
-            "stats": stats,
-        }
+    # What status and stats say (hicached.daemon.server.views).
 
     def view(self, op: str, answer: Any, tenant: str | None) -> Any:
-        """`status` or `stats` as the asker may see it: an engine (`tenant` given) sees only its tenant's
-        namespaces and figures, and its tenant's name; an operator everything, and a `tenants` section."""
-        if isinstance(answer, Awaitable):
-            return self._view_later(op, answer, tenant)
-        # Per-tenant pool figures, where the tiers have them.
-        tenant_stats = getattr(self.tiers, "tenant_stats", None)
-        if tenant is None:
-            if op == "status":
-                answer["tenants"] = {name: self._connections_of(name) for name in self.tenants.tenants}
-                return answer
-            answer["tenants"] = {
-                name: {
-                    **self.tenants.describe(name),
-                    "connections": self._connections_of(name),
-                    **(tenant_stats(name) if tenant_stats is not None else {}),
-                }
-                for name in self.tenants.tenants
-            }
-            return answer
-        answer = _only_namespaces(answer, lambda ns: self.tenants.allows(tenant, ns))
-        own = tenant_stats(tenant) if tenant_stats is not None and self.tenants.configured else None
-        if op == "status":
-            answer["connections"] = self._connections_of(tenant)
-            answer["socket"] = self.tenants.tenants[tenant].socket or self.path
-            answer["tenant"] = tenant
-            if own is not None:  # its own pool's figures, not the whole pool's
-                answer.update(
-                    pages=own["pages"], capacity_bytes=own["capacity_bytes"], used_bytes=own["used_bytes"]
-                )
-            return answer
-        answer["server"]["connections"] = self._connections_of(tenant)
-        answer["tenant"] = {"name": tenant, **(tenant_stats(tenant) if tenant_stats is not None else {})}
-        if own is not None:
-            # The whole pool's figures and the daemon's counters tell of every tenant's pages and traffic:
-            # an engine sees its own pool's (what clients read of `pool`, slabs included) and no more.
-            answer["pool"] = {k: own[k] for k in ("pages", "capacity_bytes", "used_bytes", "slabs")}
-            for k in ("counters", "latency", "backend_counters", "backup", "prefetch", "pinned_bytes"):
-                answer.pop(k, None)
-        return answer
-
-    async def _view_later(self, op: str, answer: Awaitable[Any], tenant: str | None) -> Any:
-        return self.view(op, await answer, tenant)
-
-    def _connections_of(self, tenant: str) -> int:
-        return sum(1 for c in self.connections if c.session.tenant == tenant)
+        return views.view(self, op, answer, tenant)
 
     def status(self) -> dict:
-        pool = self.tiers.index
-        return {
-            "pid": os.getpid(),
-            "socket": self.path,
-            "backend": self.tiers.connector.name if self.tiers.connector else "none",
-            "write_policy": self.cfg.storage.write_policy,
-            "connections": len(self.connections),
-            "pages": len(pool.entries),
-            "capacity_bytes": pool.capacity,
-            "used_bytes": pool.used_bytes(),
-            "backup_pending": self.tiers.backup.pending,
-            "draining": self.draining,
-            "regions": self.regions.count,
-        }
+        return views.status(self)
 
     async def stats_sliced(self) -> dict:
-        """stats(), with the walk over L2's index in slices between which the event loop runs."""
-        return self.stats(await self.tiers.index.stats_sliced())
+        return await views.stats_sliced(self)
 
     def stats(self, pool: dict | None = None) -> dict:
-        out = self.tiers.stats(pool)
-        out["server"] = {
-            "connections": len(self.connections),
-            "refused": self.refused,
-            "unauthorized": self.unauthorized,
-            "handshake_timeouts": self.handshake_timeouts,
-            **self.budget.stats(),
-        }
-        out["regions"] = self.regions.stats()
-        return out
-
-
-def _only_namespaces(answer: Any, allowed: Callable[[str], bool]) -> Any:
-    """`answer` with every map or list under a key named "namespaces" cut down to the allowed namespaces."""
-    if not isinstance(answer, dict):
-        return answer
-    out = {}
-    for k, v in answer.items():
-        if k == "namespaces" and isinstance(v, dict):
-            out[k] = {ns: x for ns, x in v.items() if isinstance(ns, str) and allowed(ns)}
-        elif k == "namespaces" and isinstance(v, list):
-            out[k] = [ns for ns in v if isinstance(ns, str) and allowed(ns)]
-        else:
-            out[k] = _only_namespaces(v, allowed)
-    return out
+        return views.stats(self, pool)
