@@ -60,8 +60,8 @@ def run(a: argparse.Namespace) -> None:
     import benchlib
     import numpy as np
 
-    import hicached.engine.client as client_mod
     import hicached.engine.ops as ops_mod
+    import hicached.engine.wire as wire_mod
     from hicached import Client
 
     work = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="hicached-bench-"))
@@ -87,8 +87,8 @@ def run(a: argparse.Namespace) -> None:
 
         return timed
 
-    client_mod.Client._write = timing("write", client_mod.Client._write)
-    client_mod.Client._await = timing("wait", client_mod.Client._await)
+    wire_mod._Wire._write = timing("write", wire_mod._Wire._write)
+    wire_mod._Wire._await = timing("wait", wire_mod._Wire._await)
     ops_mod._Ops._copy = timing("copy", ops_mod._Ops._copy)
 
     p = a.page_kib << 10
