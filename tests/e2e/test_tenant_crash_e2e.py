@@ -6,12 +6,9 @@ while the others are kept."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 
 import pytest
-from systemd_unit import SystemdDaemon
 
 from hicached.daemon.l2 import headers as hd
 from hicached.daemon.l2 import keep
@@ -86,48 +83,11 @@ def scan(d, tenant: str) -> keep.Snapshot:
         pool.close()
 
 
-@contextlib.contextmanager
-def reading(store):
-    """The stand-in reads its socket meanwhile, as systemd does: a start that takes back several tenants'
-    pools sends more notifications than a datagram socket queues (net.unix.max_dgram_qlen, 10 by default),
-    and would block on a reader that waits for it to be up."""
-    stop = threading.Event()
-
-    def pump() -> None:
-        while not stop.is_set():
-            store.drain(0.05)
-
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join()
-
-
-class Unit(SystemdDaemon):
-    def wait_up(self, timeout: float) -> Unit:
-        with reading(self.store):
-            return super().wait_up(timeout)
-
-
 @pytest.fixture
-def unit(tmp_path, fd_store):
+def unit(systemd):
     """make(fdstore=9): a daemon of config() under the stand-in (3 fds an arena: pool, slot headers, index
-    snapshot), whose notifications are read as they come; killed at the end if still running."""
-    started: list[Unit] = []
-
-    def make(fdstore: int = 9) -> Unit:
-        d = Unit(str(tmp_path / "d"), config(), fd_store, fdstore)
-        started.append(d)
-        return d.start()
-
-    yield make
-    for d in started:
-        if d.alive:
-            d.proc.kill()
-            d.proc.wait()
+    snapshot)."""
+    return lambda fdstore=9: systemd(config(), fdstore)
 
 
 def test_every_tenants_pool_outlives_a_sigkill_on_its_own(unit):

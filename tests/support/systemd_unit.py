@@ -4,12 +4,35 @@ LISTEN_PID, activated sockets first (tests/e2e/conftest.py's `systemd` fixture s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 
 from daemon_proc import DaemonProcess
 from systemd_notify import NotifySocket
+
+
+@contextlib.contextmanager
+def reading(store: NotifySocket) -> Iterator[None]:
+    """The stand-in reads its socket meanwhile, as systemd does: a start that takes back several tenants'
+    pools sends more notifications than a datagram socket queues (net.unix.max_dgram_qlen, 10 by default),
+    and would block on a reader that waits for it to be up."""
+    stop = threading.Event()
+
+    def pump() -> None:
+        while not stop.is_set():
+            store.drain(0.05)
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 class SystemdDaemon(DaemonProcess):
@@ -31,6 +54,11 @@ class SystemdDaemon(DaemonProcess):
                 env={**os.environ, "NOTIFY_SOCKET": self.store.path, "FDSTORE": str(self.fdstore)},
             )
         return self.wait_up(timeout)
+
+    def wait_up(self, timeout: float) -> SystemdDaemon:
+        with reading(self.store):
+            super().wait_up(timeout)
+        return self
 
     def crash(self) -> None:
         """SIGKILL, then what it sent before dying taken in."""
