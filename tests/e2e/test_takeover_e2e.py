@@ -14,7 +14,7 @@ import time
 
 import pytest
 from churn import page_of
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_pid
 from other_uid import other_user, run_as, shared_workdir
 
 from hicached.common.errors import HicachedError
@@ -34,29 +34,6 @@ def _successor(old: DaemonProcess, name: str = "new.log") -> DaemonProcess:
     new = DaemonProcess(old.workdir, old.config)
     new.log_path = os.path.join(old.workdir, name)
     return new
-
-
-def _serve(d: DaemonProcess) -> subprocess.Popen[bytes]:
-    with open(d.log_path, "ab") as log:
-        d.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicached", "serve", "--config", d.config_path],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=d.workdir,
-        )
-    return d.proc
-
-
-def _wait_pid(path: str, pid: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if control(path, "status", timeout=5.0)["pid"] == pid:
-                return
-        except HicachedError:
-            pass
-        assert time.monotonic() < deadline, f"pid {pid} did not come to serve {path}"
-        time.sleep(0.05)
 
 
 class Probe(threading.Thread):
@@ -127,9 +104,9 @@ def test_takeover_under_load(daemons, tmp_path, policy):
     new = _successor(old)
     daemons.started.append(new)
     handed_at = time.time()
-    _serve(new)
+    new.launch()
     assert old.proc.wait(60) == 0, old.log()
-    _wait_pid(old.socket, new.proc.pid)
+    wait_pid(old.socket, new.proc.pid)
     time.sleep(0.5)
     probe.stop.set()
     probe.join(70)
@@ -207,9 +184,9 @@ def test_takeover_refused_for_another_capacity(daemons, tmp_path):
     # The endpoint still offers a takeover: one that fits succeeds.
     new = _successor(old)
     daemons.started.append(new)
-    _serve(new)
+    new.launch()
     assert old.proc.wait(60) == 0, old.log()
-    _wait_pid(old.socket, new.proc.pid)
+    wait_pid(old.socket, new.proc.pid)
     with Client(new.socket, "take.cap", PAGE) as c:
         assert c.get(keys) == [page_of(k, PAGE) for k in keys]
 
@@ -259,7 +236,7 @@ def test_new_instance_gone_after_the_hand_over(daemons):
     while "24 pages served again" not in old.log():
         assert old.alive and time.monotonic() < deadline, old.log()
         time.sleep(0.05)
-    _wait_pid(old.socket, old.proc.pid)
+    wait_pid(old.socket, old.proc.pid)
     assert "did not take over after the hand-over" in old.log()
     with Client(old.socket, "take.gone", PAGE) as c:
         assert c.get(keys) == [page_of(k, PAGE) for k in keys]

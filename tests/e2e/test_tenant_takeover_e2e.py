@@ -13,9 +13,8 @@ import sys
 import time
 
 import pytest
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_pid
 
-from hicached.common.errors import HicachedError
 from hicached.daemon.service import takeover
 from hicached.engine.client import Client, control
 
@@ -65,29 +64,6 @@ def hits(d: DaemonProcess, tenant: str) -> int:
     return n
 
 
-def serve(d: DaemonProcess) -> subprocess.Popen[bytes]:
-    with open(d.log_path, "ab") as log:
-        d.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicached", "serve", "--config", d.config_path],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=d.workdir,
-        )
-    return d.proc
-
-
-def wait_pid(path: str, pid: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if control(path, "status", timeout=5.0)["pid"] == pid:
-                return
-        except HicachedError:
-            pass
-        assert time.monotonic() < deadline, f"pid {pid} did not come to serve {path}"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def daemons(tmp_path):
     started: list[DaemonProcess] = []
@@ -109,7 +85,7 @@ def test_takeover_keeps_every_tenants_pool_and_socket(daemons, tmp_path):
     old = daemons(str(tmp_path / "d"), CONFIG).start()
     store_all(old)
     new = daemons(old.workdir, CONFIG, "new.log")
-    serve(new)
+    new.launch()
     assert old.proc.wait(60) == 0, old.log()
     wait_pid(old.socket, new.proc.pid)
     assert "handed over to pid" in old.log() and "3 tenants' pools" in old.log(), old.log()

@@ -98,16 +98,20 @@ class DaemonProcess:
         with open(self.config_path, "w") as f:
             f.write(text if text is not None else to_toml(self.config))
 
+    def launch(self) -> subprocess.Popen[bytes]:
+        """Starts the daemon without waiting for it to answer (a takeover: it waits on another instance)."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hicached", "serve", "--config", self.config_path],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                preexec_fn=self.preexec,
+            )
+        return self.proc
+
     def start(self, timeout: float = 30.0) -> DaemonProcess:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicached", "serve", "--config", self.config_path],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.workdir,
-            preexec_fn=self.preexec,
-        )
-        log.close()
+        self.launch()
         return self.wait_up(timeout)
 
     def wait_up(self, timeout: float) -> DaemonProcess:
@@ -159,3 +163,16 @@ class DaemonProcess:
                 return f.read()
         except FileNotFoundError:
             return ""
+
+
+def wait_pid(path: str, pid: int, timeout: float = 60.0) -> None:
+    """Returns once the daemon answering on `path` is process `pid` (a takeover handed it over)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if control(path, "status", timeout=5.0)["pid"] == pid:
+                return
+        except HicachedError:
+            pass
+        assert time.monotonic() < deadline, f"pid {pid} did not come to serve {path}"
+        time.sleep(0.05)
