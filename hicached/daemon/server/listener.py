@@ -103,7 +103,7 @@ class Server:
 
     @cfg.setter
     def cfg(self, cfg: Config) -> None:
-        """A reload sets the configuration (Daemon._apply): the tenant table follows it, and connections that
+        """A reload sets the configuration (controls.apply): the tenant table follows it, and connections that
         no longer qualify for what they hold are closed (their engines reconnect and are judged afresh)."""
         self._cfg = cfg
         self.tenants = TenantTable(cfg)
