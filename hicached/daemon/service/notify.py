@@ -24,10 +24,14 @@ SD_LISTEN_FDS_START = 3
 _FDNAME_RE = re.compile(r"[\x21-\x39\x3b-\x7e]{1,255}")
 # STATUS= is one line of a datagram: a reason quoted from a file or a library is cut to this many characters.
 STATUS_MAX_CHARS = 1024
+# A datagram to a service manager whose queue is full (a stalled PID 1, a reader that stopped) waits at most
+# this long: the event loop sends it, and must not stall with it. A store of an fd given up is logged and
+# reported False to its caller (L2 then not kept), never taken for done.
+SEND_TIMEOUT_S = 2.0
 
 
 class Notifier:
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, timeout: float = SEND_TIMEOUT_S) -> None:
         address = address if address is not None else os.environ.get("NOTIFY_SOCKET", "")
         self.address = address
         self._sock: socket.socket | None = None
@@ -36,6 +40,7 @@ class Notifier:
                 address = "\0" + address[1:]  # abstract namespace
             self._target = address
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.settimeout(timeout)
         self._failed = False
 
     @property
