@@ -17,20 +17,15 @@ and the connection (with its region) is made again on a later call.
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import hashlib
 import logging
-import re
 import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
-from hicached.common.errors import CONNECTION, TIMEOUT, HicachedError
-from hicached.common.keys import NAMESPACE_MAX_LEN
 from hicached.engine.client import Client
-from hicached.engine.sglang_pages import NotSegmentable, PageGeometry, page_geometry, shared_fd, storage_bytes
+from hicached.engine.sglang_metrics import _Metrics
+from hicached.engine.sglang_namespace import KV, _join, namespace_prefix, pool_namespace
+from hicached.engine.sglang_pools import _Link
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -39,326 +34,13 @@ except ImportError:
     # is there whenever SGLang is the one importing this module.
     _Base = object  # type: ignore[assignment,misc]
 
-__all__ = ["DEFAULT_SOCKET", "HicachedStorage", "namespace_prefix"]
+__all__ = ["DEFAULT_SOCKET", "KV", "HicachedStorage", "namespace_prefix", "pool_namespace"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/hicached/hicached.sock"
 DEFAULT_TIMEOUT_S = 5.0  # a hung daemon stalls SGLang's prefetch/backup threads for at most this long
-DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to _RECONNECT_MAX_S
-_RECONNECT_MAX_S = 30.0
-_SCRATCH_BYTES = 64 << 20  # bounds the staging memory of one batch on the page-method path
-_METRICS_MAX = 4096  # figures kept between two get_stats() calls (SGLang reads them every few seconds)
-KV = "kv"  # the anchor pool's name (SGLang's PoolName.KV)
-
-T = TypeVar("T")
-
-
-def _clean(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")
-
-
-def namespace_prefix(storage_config: Any) -> list[str]:
-    """The parts of the namespace that SGLang's storage config decides: model, parallel ranks, salt."""
-    return _prefix(storage_config, tp_always=False)
-
-
-def _prefix(storage_config: Any, tp_always: bool) -> list[str]:
-    extra = getattr(storage_config, "extra_config", None) or {}
-    parts = [_clean(str(getattr(storage_config, "model_name", None) or "")) or "model"]
-    # MLA keeps the same KV on every TP rank, so ranks share pages; otherwise each rank holds its heads.
-    # Mamba state is TP-sharded even when the model's MLA KV is replicated (`tp_always`).
-    if tp_always or not getattr(storage_config, "is_mla_model", False):
-        parts.append(f"tp{storage_config.tp_rank}of{storage_config.tp_size}")
-    if getattr(storage_config, "pp_size", 1) > 1:
-        parts.append(f"pp{storage_config.pp_rank}of{storage_config.pp_size}")
-    if getattr(storage_config, "attn_cp_size", 1) > 1:  # each context-parallel rank holds a slice of a page
-        parts.append(f"cp{storage_config.attn_cp_rank}of{storage_config.attn_cp_size}")
-    if getattr(storage_config, "dcp_size", 1) > 1:  # MLA shards of decode context parallelism
-        parts.append(f"dcp{storage_config.dcp_rank}of{storage_config.dcp_size}")
-    if extra.get("salt"):
-        parts.append(_salt(str(extra["salt"])))
-    return parts
-
-
-def _salt(salt: str) -> str:
-    """The salt as a namespace part: as it is when it is made of namespace characters and short, else its
-    cleaned start and a digest of all of it, so that salts differing only in other characters (`a/b`, `a:b`)
-    or past the cut never share pages."""
-    clean = _clean(salt)
-    if clean == salt and len(salt) <= 32:
-        return salt
-    return "-".join(p for p in (clean[:32], hashlib.sha256(salt.encode()).hexdigest()[:16]) if p)
-
-
-def _join(parts: list[str]) -> str:
-    ns = ".".join(p for p in parts if p)
-    if len(ns) <= NAMESPACE_MAX_LEN:
-        return ns
-    # A long model name: keep it recognisable and still distinct.
-    digest = hashlib.sha256(parts[0].encode()).hexdigest()[:12]
-    room = NAMESPACE_MAX_LEN - len(ns) + len(parts[0]) - len(digest) - 1
-    if room >= 1:
-        return ".".join(p for p in [f"{parts[0][:room]}-{digest}", *parts[1:]] if p)
-    # The other parts alone are too long: the start of the whole, and a digest of all of it.
-    digest = hashlib.sha256(ns.encode()).hexdigest()[:16]
-    return f"{ns[: NAMESPACE_MAX_LEN - len(digest) - 1]}-{digest}"
-
-
-def pool_namespace(storage_config: Any, pool: Any, name: str) -> str:
-    """The namespace of one host pool's pages: what changes their bytes (model, dtype, tokens per page,
-    layout, parallel ranks, salt) and, for an extra pool of the v2 interface, its name."""
-    flat = pool.get_dummy_flat_data_page()
-    dtype = str(flat.dtype).removeprefix("torch.")
-    tokens = int(getattr(pool, "page_size", 1) or 1)
-    layout = _clean(str(getattr(pool, "layout", "") or ""))
-    parts = _prefix(storage_config, tp_always=name == "mamba")
-    model, rest = parts[0], parts[1:]
-    return _join([model, dtype, f"p{tokens}", layout, *rest, "" if name == KV else _clean(name)])
-
-
-class _Metrics:
-    """SGLang's StorageMetrics figures, taken per call and handed over (then forgotten) by get_stats."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.figures: dict[str, collections.deque[float]] = {
-            k: collections.deque(maxlen=_METRICS_MAX)
-            for k in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
-        }
-
-    def record(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
-        if pages <= 0:
-            return
-        with self._lock:
-            self.figures[f"{kind}_pgs"].append(pages)
-            self.figures[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)  # GB/s
-
-    def take(self) -> dict[str, list[float]]:
-        with self._lock:
-            out = {k: list(v) for k, v in self.figures.items()}
-            for v in self.figures.values():
-                v.clear()
-        return out
-
-
-class _Link:
-    """One host pool served through a daemon connection of its own, in its own namespace: its region (the
-    pool's memfd, mapped by the daemon, or its memory as a local region), made again after a reconnect.
-    Every method answers a miss rather than raise."""
-
-    def __init__(self, owner: HicachedStorage, name: str, pool: Any, namespace: str) -> None:
-        self.owner = owner
-        self.name = name
-        self.pool = pool
-        self.namespace = namespace
-        flat = pool.get_dummy_flat_data_page()
-        self.page_bytes = flat.numel() * flat.element_size()
-        self.tokens = int(getattr(pool, "page_size", 1) or 1)
-        self._dtype, self._numel = flat.dtype, flat.numel()
-        self.geom: PageGeometry | None
-        try:
-            self.geom = page_geometry(pool)
-        except NotSegmentable as e:
-            self.geom = None
-            logger.warning("hicached: pool %s moves through SGLang's page methods: %s", name, e)
-        self.shm = shared_fd(pool, self.geom) if self.geom is not None else None
-        self.zero_copy = False  # the daemon maps the pool's memfd (true once registered)
-        self._conn: Client | None = None
-        self._handle: int | None = None
-        self._lock = threading.Lock()
-        self._retry_at = 0.0
-        self._backoff = owner.reconnect_s
-        self._tls = threading.local()
-
-    # -- connection --------------------------------------------------------------------------------
-
-    def client(self) -> tuple[Client, int | None] | None:
-        with self._lock:
-            if self._conn is not None:
-                return self._conn, self._handle
-            now = time.monotonic()
-            if now < self._retry_at:
-                return None
-            try:
-                conn = Client(
-                    self.owner.socket_path, self.namespace, self.page_bytes, timeout=self.owner.timeout_s
-                )
-            except Exception as e:
-                self._retry_at = now + self._backoff
-                self._backoff = min(self._backoff * 2, _RECONNECT_MAX_S)
-                self.owner.log_once(
-                    "connect",
-                    "cannot connect to %s (%s); answering misses, retrying",
-                    self.owner.socket_path,
-                    e,
-                )
-                return None
-            self._handle = self._register(conn)
-            self._conn = conn
-            self._backoff = self.owner.reconnect_s
-            self.owner.connected(self)
-            return conn, self._handle
-
-    def _register(self, conn: Client) -> int | None:
-        """The pool as a region on `conn`: the daemon maps its memfd (zero-copy), or, when the daemon cannot
-        take it (an older daemon refuses memory it cannot seal) or there is none, a local region."""
-        geom = self.geom
-        if geom is None:
-            return None
-        segments = [list(s) for s in geom.segments]
-        if self.shm is not None:
-            fd, start = self.shm
-            shifted = [[off + start, n, st] for off, n, st in segments]
-            try:
-                handle = conn.register_region(fd, self.page_bytes, shifted, num_pages=geom.num_pages)
-                self.zero_copy = True
-                return handle
-            except HicachedError as e:
-                if e.code in (CONNECTION, TIMEOUT):
-                    raise
-                self.owner.log_once(
-                    f"region:{self.name}",
-                    "the daemon did not map pool %s's shared memory (%s); copying here",
-                    self.name,
-                    e,
-                )
-        self.zero_copy = False
-        return conn.register_local_region(
-            storage_bytes(geom), self.page_bytes, segments, num_pages=geom.num_pages
-        )
-
-    def drop(self, conn: Client) -> None:
-        with self._lock:
-            if self._conn is conn:
-                self._conn, self._handle = None, None
-                self._retry_at = 0.0  # the first reconnect is immediate; failures then back off
-        with contextlib.suppress(Exception):  # a broken connection may fail to close; it is dropped anyway
-            conn.close()
-
-    def call(self, what: str, fn: Callable[[Client, int | None], T], default: T) -> T:
-        got = self.client()
-        if got is None:
-            return default
-        conn, handle = got
-        try:
-            return fn(conn, handle)
-        except Exception as e:
-            code = e.code if isinstance(e, HicachedError) else type(e).__name__
-            # CONNECTION: the daemon went away (a restart). TIMEOUT: a late answer may hold a lease that only
-            # closing the connection releases. Either way, connect afresh (and register again) later.
-            if code in (CONNECTION, TIMEOUT) or isinstance(e, OSError):
-                self.drop(conn)
-            self.owner.log_once(f"{what}:{code}", "%s failed (%s); answering a miss", what, e)
-            return default
-
-    def close(self) -> None:
-        with self._lock:
-            conn, self._conn, self._handle = self._conn, None, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-    # -- pages -------------------------------------------------------------------------------------
-
-    def pages(self, keys: Sequence[str], host_indices: Any) -> list[int] | None:
-        """Host pages of the keys, from SGLang's token indices (one per token of each page)."""
-        n = len(host_indices) if host_indices is not None else 0
-        if n != len(keys) * self.tokens:
-            self.owner.log_once(
-                f"indices:{self.name}", "%d host indices for %d keys of %d tokens", n, len(keys), self.tokens
-            )
-            return None
-        return [int(i) // self.tokens for i in host_indices[:: self.tokens].tolist()]
-
-    def store(self, keys: list[str], host_indices: Any, what: str) -> list[bool]:
-        """Per key: stored (or there already)."""
-        result = [False] * len(keys)
-        pages = self.pages(keys, host_indices) if keys else None
-        if pages is None:
-            return result
-        start = time.perf_counter()
-
-        def run(c: Client, handle: int | None) -> list[bool]:
-            if handle is not None:
-                return c.store_pages(handle, pages, keys)
-            return self._store_by_methods(c, keys, pages)
-
-        result = self.call(what, run, result)
-        self.owner.metrics.record(
-            "backup", sum(result), sum(result) * self.page_bytes, time.perf_counter() - start
-        )
-        return result
-
-    def load(self, keys: list[str], host_indices: Any, what: str, each: bool) -> list[bool]:
-        """Per key: loaded into its host page. The leading run only, or, with `each`, past holes too (a page
-        missing ends a call; the pages after it are asked for again)."""
-        result = [False] * len(keys)
-        pages = self.pages(keys, host_indices) if keys else None
-        if pages is None:
-            return result
-        start = time.perf_counter()
-
-        def run(c: Client, handle: int | None) -> list[bool]:
-            i = 0
-            while i < len(keys):
-                if handle is not None:
-                    n = c.load_pages(handle, pages[i:], keys[i:])
-                else:
-                    n = self._load_by_methods(c, keys[i:], pages[i:])
-                result[i : i + n] = [True] * n
-                if not each:
-                    break
-                i += n + 1
-            return result
-
-        result = self.call(what, run, result)
-        self.owner.metrics.record(
-            "prefetch", sum(result), sum(result) * self.page_bytes, time.perf_counter() - start
-        )
-        return result
-
-    def exists(self, keys: list[str], what: str) -> int:
-        return self.call(what, lambda c, _: c.exists(keys), 0) if keys else 0
-
-    def present(self, keys: list[str], what: str) -> list[bool]:
-        return self.call(what, lambda c, _: c.present(keys), [False] * len(keys)) if keys else []
-
-    # -- the page-method path: a pool whose pages are not segments of one buffer --------------------
-
-    def _scratch(self) -> Any:
-        # Per thread: SGLang's prefetch and backup threads call in parallel and must not share staging.
-        scratch = getattr(self._tls, "scratch", None)
-        if scratch is None:
-            import torch
-
-            rows = max(1, _SCRATCH_BYTES // self.page_bytes)
-            scratch = self._tls.scratch = torch.empty((rows, self._numel), dtype=self._dtype)
-        return scratch
-
-    def _store_by_methods(self, c: Client, keys: list[str], pages: list[int]) -> list[bool]:
-        out: list[bool] = []
-        step = max(1, _SCRATCH_BYTES // self.page_bytes)  # get_data_page may copy a strided page
-        for start in range(0, len(keys), step):
-            batch = [
-                self.pool.get_data_page(p * self.tokens, flat=True).contiguous()
-                for p in pages[start : start + step]
-            ]
-            out += c.store(keys[start : start + step], batch)
-        return out
-
-    def _load_by_methods(self, c: Client, keys: list[str], pages: list[int]) -> int:
-        scratch = self._scratch()
-        done = 0
-        for start in range(0, len(keys), len(scratch)):
-            chunk = keys[start : start + len(scratch)]
-            hits = c.load(chunk, list(scratch[: len(chunk)]))
-            for j in range(hits):
-                self.pool.set_from_flat_data_page(pages[start + j] * self.tokens, scratch[j])
-            done += hits
-            if hits < len(chunk):
-                break
-        return done
+DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to sglang_pools._RECONNECT_MAX_S
 
 
 class HicachedStorage(_Base):
@@ -587,14 +269,7 @@ class HicachedStorage(_Base):
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics: per batch since the last call, the pages read (prefetch_pgs) and
         written (backup_pgs) and their speed in GB/s, as this process saw each call end to end."""
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except ImportError:
-            return None
-        out = StorageMetrics()
-        for name, values in self.metrics.take().items():
-            getattr(out, name).extend(values)
-        return out
+        return self.metrics.storage_metrics()
 
     def clear(self) -> bool:
         """SGLang's clear_hicache_storage: every page of this engine's pools (their namespaces: the model,
