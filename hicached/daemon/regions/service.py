@@ -1,6 +1,7 @@
 """Engine memory regions: registering them (a memfd or a tmpfs file passed with SCM_RIGHTS, or a CUDA
 tensor's IPC fields), unregistering them when their connection closes, and the store_pages / load_pages
-requests that copy a batch of pages between a region and L2 through the copy executor.
+requests that copy a batch of pages between a region and L2 through the copy executor. What registration
+accepts and how it maps it is in hicached.daemon.regions.checks, the records it keeps in .region.
 
 A memfd the engine did not seal against shrinking, and a tmpfs file (vLLM's /dev/shm region, which can never
 be sealed), are copied guarded: if the file shrinks, the copy that finds its memory gone fails (copy_failed)
@@ -27,156 +28,28 @@ import logging
 import mmap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from hicached.common import fence as fence_mod
-from hicached.common import ranges as ranges_mod
 from hicached.common.errors import BAD_REQUEST, COPY_FAILED, NO_SPACE, NOT_FOUND, HicachedError
-from hicached.common.geometry import Geometry, check_pages, parse_geometry
+from hicached.common.geometry import check_pages, parse_geometry
 from hicached.common.keys import check_keys
-from hicached.common.memfd import MEMFD, EngineMemory, check_region_fd, inspect_fd
+from hicached.common.memfd import MEMFD
 from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, arg, keys_arg
 from hicached.config import Config
+from hicached.daemon.regions.checks import check_fd, map_board, map_host
 from hicached.daemon.regions.copier import Copier
 from hicached.daemon.regions.jobs import CopyCancelled, RegionGone
+from hicached.daemon.regions.region import Region, SessionRegions
 from hicached.daemon.sched.tiers import Session, Tiers
+
+# Importable from here, as before registration's checks and the region records had modules of their own.
+__all__ = ["KINDS", "Region", "RegionService", "SessionRegions", "check_fd", "map_board", "map_host"]
 
 log = logging.getLogger("hicached.regions")
 
 KINDS = ("host", "cuda", fence_mod.KIND)
 CANCEL_LOG_S = 10.0  # cancelled copies are logged at most this often (with how many since the last line)
-
-
-class Region:
-    """One registered region: its geometry, and the memory it maps (host) or opened (CUDA)."""
-
-    def __init__(self, handle: int, kind: str, geom: Geometry, nbytes: int) -> None:
-        self.handle = handle
-        self.kind = kind
-        self.geom = geom
-        self.nbytes = nbytes
-        self.users = 0  # copies running on it
-        self.closed = False  # unregistered: released once `users` drops to 0
-        self.released = False
-        self.gone: str | None = None  # dropped, its memory gone: what its requests are answered
-        self.mm: mmap.mmap | None = None
-        self.array: np.ndarray | None = None  # host: uint8 view of the region's bytes
-        self.end = 0  # host: the memfd's bytes the region reaches
-        self.may_shrink = False  # host: an unsealed memfd, or a tmpfs file (copied guarded)
-        self.memory = "memfd"  # host: what the fd is (hicached.common.memfd), as messages name it
-        self.device: int | None = None  # cuda: device index in this process
-        self.tensor: Any = None  # cuda: uint8 tensor over the region
-
-    def unmap(self) -> None:
-        self.array = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:
-                log.warning("region %d still has views; it stays mapped until they go", self.handle)
-            self.mm = None
-
-
-@dataclass
-class SessionRegions:
-    """The regions of one connection, and the copies it has running."""
-
-    regions: dict[int, Region] = field(default_factory=dict)
-    bytes: int = 0  # registered, plus being registered
-    opening: int = 0
-    inflight: int = 0
-    closing: bool = False
-    session: Session | None = None
-    after: Callable[[Session], None] | None = None
-    dropped: dict[int, str] = field(default_factory=dict)  # handle -> why, for regions whose memory went
-    board: mmap.mmap | None = None  # the fence board (hicached.common.fence), once registered
-
-
-def check_fd(fd: int, min_size: int) -> EngineMemory:
-    """bad_request unless `fd` is a memfd or tmpfs file of at least `min_size` bytes that this daemon can copy
-    safely: one that may shrink (an unsealed memfd, any tmpfs file) only where copies can be guarded (the C
-    module is built)."""
-    try:
-        mem = check_region_fd(fd, min_size)
-    except ValueError as e:
-        raise HicachedError(BAD_REQUEST, f"region refused: {e}") from None
-    except OSError as e:
-        raise HicachedError(BAD_REQUEST, f"region refused: cannot inspect its fd ({e.strerror})") from None
-    if mem.can_shrink and not ranges_mod.can_guard():
-        what = f"this {mem.kind} may shrink"
-        if mem.kind == MEMFD:
-            what = "this memfd is not sealed with F_SEAL_SHRINK"
-        raise HicachedError(
-            BAD_REQUEST,
-            f"region refused: {what}, and this daemon cannot copy memory that may shrink under it safely "
-            "(hicached.common._pageio is not built); seal it, or reinstall hicached where a C compiler is "
-            "at hand",
-        )
-    return mem
-
-
-def map_host(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray, EngineMemory]:
-    """Map an engine's memfd or tmpfs file shared, read-write; also what it is, and whether it may shrink
-    under us (its copies must then be guarded: a shrink makes our next access SIGBUS). Blocking: prefaulting
-    a big region takes a while."""
-    mem = check_fd(fd, offset + nbytes)
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    try:
-        mm = mmap.mmap(
-            fd,
-            offset + nbytes - start,
-            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            offset=start,
-        )
-    except OSError as e:
-        raise HicachedError(
-            BAD_REQUEST, f"region refused: cannot map it read-write ({e.strerror}); pass an fd opened O_RDWR"
-        ) from None
-    if hasattr(mmap, "MADV_DONTDUMP"):
-        mm.madvise(mmap.MADV_DONTDUMP)
-    return mm, np.frombuffer(mm, dtype=np.uint8)[offset - start :], mem
-
-
-def map_board(fd: int, slots: int) -> mmap.mmap:
-    """An engine's fence board, mapped shared read-write: bad_request unless `fd` is a memfd sealed against
-    shrinking (the daemon's atomic words in it must never fault) of at least `slots` words, `slots` within
-    bounds."""
-    if not 1 <= slots <= fence_mod.MAX_SLOTS:
-        raise HicachedError(BAD_REQUEST, f"a fence board has 1 to {fence_mod.MAX_SLOTS} slots, got {slots}")
-    if not ranges_mod.COPY_FENCES:
-        raise HicachedError(
-            BAD_REQUEST,
-            "this daemon cannot fence copies (hicached.common._pageio is not built, or older); send region "
-            "requests without fences",
-        )
-    nbytes = slots * fence_mod.WORD_BYTES
-    try:
-        mem = inspect_fd(fd)
-    except OSError as e:
-        raise HicachedError(
-            BAD_REQUEST, f"fence board refused: cannot inspect its fd ({e.strerror})"
-        ) from None
-    if mem.kind != MEMFD or mem.can_shrink:
-        raise HicachedError(
-            BAD_REQUEST,
-            f"fence board refused: it must be a memfd sealed with F_SEAL_SHRINK, not a {mem.kind}"
-            + (" that may shrink" if mem.kind == MEMFD else ""),
-        )
-    if mem.size < nbytes:
-        raise HicachedError(
-            BAD_REQUEST, f"fence board refused: {mem.size} bytes hold fewer than {slots} slots"
-        )
-    try:
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as e:
-        raise HicachedError(
-            BAD_REQUEST,
-            f"fence board refused: cannot map it read-write ({e.strerror}); pass an fd opened O_RDWR",
-        ) from None
 
 
 class RegionService:
