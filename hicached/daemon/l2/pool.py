@@ -226,24 +226,12 @@ class Pool:
         self.view = memoryview(self.mm).cast("B")
         self.fd = self.arenas[0].fd  # open (for `fd >= 0` checks); a pool of arenas is handed out by arena
 
-    @property
-    def single(self) -> bool:
-        """One memfd holds the whole pool (no tenants): what keeping L2 over a restart knows how to keep."""
-        return len(self.arenas) == 1
-
     def arena(self, name: str) -> Arena:
         """The arena of that name (KeyError if none)."""
         for a in self.arenas:
             if a.name == name:
                 return a
         raise KeyError(name)
-
-    def arena_at(self, offset: int) -> Arena:
-        """The arena holding pool offset `offset`."""
-        for a in self.arenas:
-            if a.base <= offset < a.base + a.size:
-                return a
-        raise IndexError(f"offset {offset} is outside the pool")
 
     @property
     def inode(self) -> int:

@@ -40,7 +40,7 @@ def test_each_arena_is_a_memfd_of_its_own():
             ("a", MiB, 2 * MiB),
             ("b", 3 * MiB, MiB),
         ]
-        assert pool.size == 4 * MiB and not pool.single
+        assert pool.size == 4 * MiB and len({a.fd for a in pool.arenas}) == 3
         whole = np.frombuffer(pool.mm, dtype=np.uint8)
         whole[:] = 1
         b = pool.arena("b")
@@ -51,7 +51,6 @@ def test_each_arena_is_a_memfd_of_its_own():
         assert (whole[: b.base] == 1).all()  # the default tenant's and a's bytes are untouched
         with pytest.raises((ValueError, OSError)):
             mmap.mmap(b.fd, b.size + mmap.PAGESIZE)  # and it cannot map past its end
-        assert pool.arena_at(MiB + 5).name == "a"
         del whole
     finally:
         pool.close()
