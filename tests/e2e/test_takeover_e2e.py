@@ -14,7 +14,7 @@ import time
 
 import pytest
 from churn import page_of
-from daemon_proc import DaemonProcess, wait_pid
+from daemon_proc import DaemonProcess, refused_line, wait_pid
 from other_uid import other_user, run_as, shared_workdir
 
 from hicached.common.errors import HicachedError
@@ -161,22 +161,13 @@ def test_takeover_refused_for_another_capacity(daemons, tmp_path):
     new = DaemonProcess(
         str(tmp_path / "n"), {"server": {"socket": old.socket}, "pool": {"capacity": "64MiB"}}
     )
-    r = subprocess.run(
-        [sys.executable, "-m", "hicached", "serve", "--config", new.config_path],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=new.workdir,
-    )
-    assert r.returncode == 1, r.stderr
-    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
-    assert len(errors) == 1, r.stderr
+    line, stderr = refused_line(new)
     assert (
         "refused the takeover: pool.capacity is 128.0MiB in the running daemon and 64.0MiB in the new "
-        "instance" in errors[0]
+        "instance" in line
     )
-    assert "serves on" in errors[0]
-    assert "L2 pool of" not in r.stderr, "no pool was allocated"
+    assert "serves on" in line
+    assert "L2 pool of" not in stderr, "no pool was allocated"
     assert old.alive and control(old.socket, "status")["pid"] == old.proc.pid
     assert "refused a takeover from pid" in old.log()
     with Client(old.socket, "take.cap", PAGE) as c:

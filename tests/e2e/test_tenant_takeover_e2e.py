@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-from daemon_proc import DaemonProcess, wait_pid
+from daemon_proc import DaemonProcess, refused_line, wait_pid
 
 from hicached.daemon.service import takeover
 from hicached.engine.client import Client, control
@@ -110,22 +108,12 @@ def test_takeover_refused_when_a_tenants_pool_differs(daemons, tmp_path):
     new.config["tenants"]["b"]["capacity"] = "8MiB"
     new.config_path = os.path.join(old.workdir, "new.toml")
     new.write_config()
-    r = subprocess.run(
-        [sys.executable, "-m", "hicached", "serve", "--config", new.config_path],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=new.workdir,
-    )
-    assert r.returncode == 1, r.stderr
-    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
-    assert len(errors) == 1, r.stderr
-    assert (
-        "refused the takeover: the tenants' pools are default 32.0MiB, a 16.0MiB, b 16.0MiB in the "
-        in (errors[0])
-    ), errors[0]
-    assert "default 40.0MiB, a 16.0MiB, b 8.0MiB in the new instance" in errors[0], errors[0]
-    assert "L2 pool of" not in r.stderr, "no pool was allocated"
+    line, stderr = refused_line(new)
+    assert "refused the takeover: the tenants' pools are default 32.0MiB, a 16.0MiB, b 16.0MiB in the " in (
+        line
+    ), line
+    assert "default 40.0MiB, a 16.0MiB, b 8.0MiB in the new instance" in line, line
+    assert "L2 pool of" not in stderr, "no pool was allocated"
     assert old.alive and control(old.socket, "status")["pid"] == old.proc.pid
     for t in TENANTS:
         assert hits(old, t) == len(KEYS), t

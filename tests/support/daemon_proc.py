@@ -176,3 +176,19 @@ def wait_pid(path: str, pid: int, timeout: float = 60.0) -> None:
             pass
         assert time.monotonic() < deadline, f"pid {pid} did not come to serve {path}"
         time.sleep(0.05)
+
+
+def refused_line(d: DaemonProcess) -> tuple[str, str]:
+    """Runs `d` to its end as a new instance that must refuse to take over: it exits 1 with one ERROR line.
+    That line, and all it wrote on stderr."""
+    r = subprocess.run(
+        [sys.executable, "-m", "hicached", "serve", "--config", d.config_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=d.workdir,
+    )
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, r.stderr
+    return errors[0], r.stderr
