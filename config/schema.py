@@ -200,7 +200,8 @@ class StorageConfig:
     prefetch_batch_pages: int = 64
     prefetch_batch_bytes: Size = 128 * MiB
     prefetch_queue_pages: int = 65536
-    # Keys of pages evicted from L2 that are known to be in L3: stored again, they are not written again.
+    # No longer used (accepted so that older files load): a page stored again is always written again, since
+    # what L2 believed about L3 may be stale (hicached.daemon.l2.life).
     known_in_l3_keys: int = 262144
     # Write-through: pages acknowledged but not yet in L3 hold their slots (they cannot be evicted). Past this
     # share of the pool, when_backlog_full decides: "drop_oldest" stops holding the oldest of them for L3

@@ -231,7 +231,8 @@ def test_disconnect_releases_everything_it_held(daemon):
     assert len(seen[5]["offsets"]) == 3
     with Client(daemon.socket, "lease.ns", PAGE) as c:
         pool = c.stats()["pool"]
-        assert pool["leased"] == 25 and pool["writing"] == 5 and pool["reserved"] == 3
+        # The slots being written are under no key until committed: counted in writing, not leased.
+        assert pool["leased"] == 20 and pool["writing"] == 5 and pool["reserved"] == 3
         s.close()  # the engine dies holding read leases, a prefetch handle, slots it was writing and some
         for _ in range(1500):  # set aside for its next stores
             pool = c.stats()["pool"]

@@ -297,9 +297,7 @@ class Headers:
     def attach(self, tiers: Tiers) -> None:
         """Wires the writes into the page lifecycle (Tiers, its backup, the allocator), and records the slabs
         the allocator already gave out. A pool of several arenas: attach_arenas."""
-        tiers.headers = self
-        tiers.backup.headers = self
-        tiers.prefetcher.headers = self
+        tiers.observe(self)
         self.attach_alloc(tiers)
 
     def attach_alloc(self, tiers: Tiers) -> None:
@@ -567,7 +565,4 @@ def attach_arenas(tiers: Tiers, headers: list[Headers]) -> None:
     for h in headers:
         by_arena[h.arena] = h
         h.attach_alloc(tiers)
-    records = ByArena(by_arena)
-    tiers.headers = records
-    tiers.backup.headers = records
-    tiers.prefetcher.headers = records
+    tiers.observe(ByArena(by_arena))

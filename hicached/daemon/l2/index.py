@@ -16,9 +16,11 @@ from typing import Any, Protocol
 
 from hicached.daemon.l2.slabs import SizeClass, SlabAllocator, slot_size
 
-WRITING = "writing"  # slot handed to an engine, bytes not yet committed
-FILLING = "filling"  # being read from L3 by a prefetch
-READY = "ready"
+# A page's states (hicached.daemon.l2.life draws the diagram and makes every move between them).
+WRITING = "writing"  # a writer's slot, bytes not yet committed: under no key until they are (life.publish)
+FILLING = "filling"  # under its key, being read from L3 by a prefetch or a load
+READY = "ready"  # under its key, bytes whole
+SUPERSEDED = "superseded"  # a fill whose key a store took: under no key, slot freed as the read ends
 QUARANTINED = "quarantined"  # removed, slot not yet reusable
 
 _STEAL_CANDIDATES = 16  # LRU pages of a victim class whose slabs are tried before giving up
@@ -34,21 +36,19 @@ _STATS_SLICE = 16384
 
 
 def _tally(entries: Iterable[Entry]) -> list[int]:
-    """[ready, writing, filling, pinned, leased] over `entries`, in one pass."""
-    ready = writing = filling = pinned = leased = 0
+    """[ready, filling, pinned, leased] over `entries` (the pages under a key), in one pass."""
+    ready = filling = pinned = leased = 0
     for e in entries:
         st = e.state
         if st is READY:
             ready += 1
-        elif st is WRITING:
-            writing += 1
         elif st is FILLING:
             filling += 1
         if e.pinned:
             pinned += 1
         if e.leases:
             leased += 1
-    return [ready, writing, filling, pinned, leased]
+    return [ready, filling, pinned, leased]
 
 
 class Entry:
@@ -135,13 +135,19 @@ class PageIndex:
     counts the pool's fractions bound (dirty_bytes, reserved_bytes: arena_dirty, arena_reserved) stay within
     an arena."""
 
-    def __init__(self, allocator: SlabAllocator | list[SlabAllocator]) -> None:
+    def __init__(
+        self,
+        allocator: SlabAllocator | list[SlabAllocator],
+        arena_of: Callable[[str], int] | None = None,
+        on_remove: Callable[[list[Entry]], None] | None = None,
+        on_short: Callable[[int, int], int] | None = None,
+    ) -> None:
         self.allocs = allocator if isinstance(allocator, list) else [allocator]
         if [a.arena for a in self.allocs] != list(range(len(self.allocs))):
             raise ValueError("allocators must be given in arena order")
         self.alloc = self.allocs[0]
-        # namespace -> the arena its pages live in (Tiers sets it from the tenants' namespaces).
-        self.arena_of: Callable[[str], int] = lambda ns: 0
+        # namespace -> the arena its pages live in (the tenants' namespaces; one arena without them).
+        self.arena_of: Callable[[str], int] = arena_of or (lambda ns: 0)
         # namespace -> key -> entry. Looked up per key on every request: a dict per namespace costs half
         # of one dict keyed by (namespace, key) tuples, which builds and hashes a tuple per lookup.
         self._by_ns: dict[str, dict[str, Entry]] = {}
@@ -161,19 +167,20 @@ class PageIndex:
         self.dirty_bytes = 0  # their slots' bytes: the pool held for L3 (storage.max_unbacked_fraction)
         self.evictable_bytes = 0
         self.reserved = 0  # slots set aside for connections' next stores, under no key yet
+        self.writing = 0  # slots handed to writers by alloc, under no key until committed
         self.reserved_bytes = 0
         self.arena_dirty = [0] * len(self.allocs)  # dirty_bytes by arena
         self.arena_reserved = [0] * len(self.allocs)  # reserved_bytes by arena
         self.arena_evictable = [0] * len(self.allocs)  # evictable_bytes by arena
         self.counters: collections.Counter[str] = collections.Counter()
-        # Called with the entries that leave the index (evicted, aborted, failed fill): a list, so that a
+        # Called with the entries that leave their keys (evicted, removed, a failed fill): a list, so that a
         # full pool's evictions for a whole request are told in one call.
-        self.on_remove: Callable[[list[Entry]], None] = lambda entries: None
+        self.on_remove: Callable[[list[Entry]], None] = on_remove or (lambda entries: None)
         # Called with the bytes still wanted, and the arena, when nothing more can be evicted for an
-        # allocation: it may make pages evictable (Tiers: the oldest pages waiting for L3, past
+        # allocation: it may make pages evictable (the write policy: the oldest pages waiting for L3, past
         # storage.max_unbacked_fraction) and returns how many it did; the allocation then tries eviction once
         # more.
-        self.on_short: Callable[[int, int], int] = lambda nbytes, arena: 0
+        self.on_short: Callable[[int, int], int] = on_short or (lambda nbytes, arena: 0)
 
     def get(self, ns: str, key: str) -> Entry | None:
         d = self._by_ns.get(ns)
@@ -342,13 +349,58 @@ class PageIndex:
         for offset in offsets:
             alloc.free(cls, offset)
 
+    def private_entries(
+        self, ns: str, keys: list[str], page_bytes: int, cls: SizeClass, offsets: list[int]
+    ) -> list[Entry]:
+        """WRITING entries for `keys` in the slots `offsets` from take_slots, each leased once for its writer
+        and under no key: a store's slot joins its key only when its bytes are committed (publish)."""
+        by_offset = self._by_offset
+        out = []
+        for key, offset in zip(keys, offsets, strict=False):
+            entry = Entry(ns, key, offset, page_bytes, cls, WRITING)
+            entry.leases = 1
+            by_offset[offset] = entry
+            out.append(entry)
+        self.writing += len(out)
+        return out
+
+    def publish(self, entry: Entry, reserved: bool) -> None:
+        """A writer's slot (from private_entries, or from reserve when `reserved`) goes under its key, which
+        the caller made sure is free."""
+        self._insert(entry)
+        if reserved:
+            self.reserved -= 1
+            self.reserved_bytes -= entry.cls.slot_bytes
+            self.arena_reserved[entry.cls.arena] -= entry.cls.slot_bytes
+        else:
+            self.writing -= 1
+
+    def release_private(self, entry: Entry, quarantine: float = 0.0) -> None:
+        """A writer's slot from private_entries that was never published goes back to the allocator
+        (`quarantine`: as in remove)."""
+        self.writing -= 1
+        self._release_slot(entry, quarantine)
+
+    def take_off_key(self, entry: Entry) -> None:
+        """A live entry leaves its key, keeping its slot (a fill superseded by a store): its slot is freed by
+        remove() once its read ends."""
+        if entry.in_lru:
+            self._unlist(entry)
+        if entry.in_dirty:
+            del self.dirty[entry]
+            entry.in_dirty = False
+        self._delete(entry)
+
     def remove(self, entry: Entry, quarantine: float = 0.0, until: Any = None) -> None:
         """Drops the entry and frees its slot. The caller makes sure nobody holds a lease on it.
 
         With `quarantine`, the slot is only freed that many seconds later (an engine's copy that may still
         land in it); with `until` (a hicached.connectors.base.Hold), once nothing runs on it any more: a
-        read from L3 given up while its I/O thread, which cannot be stopped mid-page, still writes into it."""
+        read from L3 given up while its I/O thread, which cannot be stopped mid-page, still writes into it.
+        An entry taken off its key (SUPERSEDED) only has its slot freed, once."""
         if not self.live(entry):
+            if entry.state is SUPERSEDED and self._by_offset.get(entry.offset) is entry:
+                self._release_slot(entry, quarantine, until)
             return
         if entry.in_lru:
             self._unlist(entry)
@@ -361,7 +413,9 @@ class PageIndex:
 
     def _release_slot(self, entry: Entry, quarantine: float, until: Any = None) -> None:
         if quarantine > 0 or (until is not None and not until.released):
-            entry.state = QUARANTINED  # still in _by_offset, so its slab is not reassigned meanwhile
+            # The slot's own state, not the page's: still in _by_offset, so its slab is not reassigned
+            # meanwhile.
+            entry.state = QUARANTINED
             self.counters["quarantined"] += 1
             if until is not None:
                 until.when_released(lambda: self._free_slot(entry))
@@ -558,7 +612,7 @@ class PageIndex:
         """stats() for a running daemon (`ctl stats`, an engine's `stats`): the walk over the entries, of a
         copy of each namespace's list taken first, yields to the event loop every `per_slice` entries. An
         entry that changes meanwhile is counted as it was when the walk reached it."""
-        totals = [0] * 5
+        totals = [0] * 4
         for entries in [list(d.values()) for d in list(self._by_ns.values())]:
             for start in range(0, len(entries), per_slice):
                 totals = [
@@ -568,11 +622,11 @@ class PageIndex:
         return self._stats(totals)
 
     def _stats(self, tally: list[int]) -> dict:
-        ready, writing, filling, pinned, leased = tally
+        ready, filling, pinned, leased = tally
         return {
             "pages": self._count,
             "ready": ready,
-            "writing": writing,
+            "writing": self.writing,
             "filling": filling,
             "dirty": self.dirty_pages,
             "pinned": pinned,

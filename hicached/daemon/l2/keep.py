@@ -242,7 +242,6 @@ def take(tiers: Tiers, pool: Pool, l3: str | None, arena: int = 0) -> Snapshot:
     index = tiers.index
     alloc = index.allocs[arena]
     base = alloc.base
-    owed_elsewhere = tiers.stranded | tiers.backup.abandoned | tiers.backup.dropped
     lru = [e for lst in index.lru_lists() for e in lst.values()]  # each class's least recent first
     # Pages outside the LRU (pinned, owed to L3) first: they were in use more recently than most.
     listed = {id(e) for e in lru}
@@ -254,7 +253,7 @@ def take(tiers: Tiers, pool: Pool, l3: str | None, arena: int = 0) -> Snapshot:
         checksum = e.checksum
         if checksum is None:  # taken as each page entered L2; a page without one is hashed now
             checksum = xxhash.xxh3_64_intdigest(pool.slot(e.offset, e.size))
-        owed = e.dirty or e in owed_elsewhere
+        owed = tiers.life.owed(e)
         pages.append(KeptPage(e.ns, e.key, e.offset - base, e.size, checksum, e.in_l3, owed, e.pinned))
     slabs = [0] * alloc.nslabs
     for cls in alloc.classes.values():
@@ -396,7 +395,6 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool], arena: int = 0) -> Restor
         cls.used += len(cls.free) - len(keep)
         cls.free = keep
     out = Restored(l3=snap.l3)
-    configured = tiers.cfg.storage.backend != "none"
     for p, good in zip(snap.pages, ok, strict=True):
         if not good:
             out.dropped += 1
@@ -404,14 +402,10 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool], arena: int = 0) -> Restor
         if tiers.namespaces.setdefault(p.ns, p.size) != p.size:
             raise RuntimeError(f"namespace {p.ns} already holds pages of another size")
         entry = index.entry_at(p.ns, p.key, p.size, index.size_class(p.size, arena), p.offset + base, READY)
-        entry.checksum = p.checksum
-        entry.in_l3 = p.in_l3
-        if p.owed and not p.in_l3 and configured:
-            # Owed to L3 while no backend is attached yet (the restore runs before the attach), as a page
-            # stored then would be: the attach queues them (Tiers._attached); should they leave L2 first,
-            # they count as lost.
-            tiers.stranded.add(entry)
-            out.owed += 1
+        # Owed to L3 while no backend is attached yet (the restore runs before the attach), as a page stored
+        # then would be: the attach queues them (Tiers._attached); should they leave L2 first, they count
+        # as lost.
+        out.owed += tiers.life.restored(entry, p.checksum, p.in_l3, p.owed)
         if p.pinned:
             tiers.pin_entry(entry)
         index.update(entry)
@@ -436,7 +430,7 @@ def _hold(tiers: Tiers, snap: Snapshot, held: list[int], seconds: float, arena: 
         slot = snap.slabs[(offset - base) // slab_bytes]
         cls = index.size_class(slot, arena)
         entry = index.entry_at(_HELD_NS, str(offset), slot, cls, offset, QUARANTINED)
-        entry.leases = 1
+        index.lease(entry)
         entries.append(entry)
 
     def release() -> None:
@@ -455,7 +449,7 @@ def after_attach(tiers: Tiers, restored: Restored) -> None:
     n = 0
     for entry in restored.entries:
         if entry.in_l3 and tiers.index.live(entry):
-            entry.in_l3 = False
+            tiers.life.not_in(entry)
             n += 1
     if n:
         log.info(

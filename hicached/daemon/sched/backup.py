@@ -20,7 +20,8 @@ import xxhash
 
 from hicached.common.retry import Backoff
 from hicached.connectors.base import BackendError, Hold
-from hicached.daemon.l2.index import READY, Entry, PageIndex, PageRecords
+from hicached.daemon.l2.index import READY, Entry
+from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
 
@@ -33,7 +34,7 @@ _DEFER_POLL_S = 0.01  # how often a worker deferring to busy engines looks wheth
 class Backup:
     def __init__(
         self,
-        index: PageIndex,
+        life: PageLife,
         pool: Pool,
         backend: Backend,
         counters: collections.Counter[str],
@@ -43,7 +44,8 @@ class Backup:
         queue_pages: int,
         backoff: Backoff,
     ) -> None:
-        self.index = index
+        self.life = life
+        self.index = life.index
         self.pool = pool
         self.backend = backend  # read at every attempt, so queued work retargets to a swapped backend
         self.counters = counters
@@ -66,15 +68,6 @@ class Backup:
         # anyway (0: not at all); Tiers sets it while engines are busy (storage.backup_defer).
         self.defer: Callable[[], float] = lambda: 0.0
         self._workers: list[asyncio.Task[None]] = []
-        # Pages given up after the attempts (not in L3, no longer held for it): a flush, a backend attaching
-        # or an engine storing one again queues them again, since the backend may take them now (a disk
-        # freed); a flush answers False while any is left. Bounded by L2: Tiers drops a page from here when
-        # it leaves L2, and counts it lost (backup.lost).
-        self.abandoned: set[Entry] = set()
-        # Pages dropped from the queue by the backlog bound (drop_oldest): not in L3, no longer held for it;
-        # queued again as abandoned ones are. Bounded by L2: Tiers drops a page from here when it leaves L2.
-        self.dropped: set[Entry] = set()
-        self.headers: PageRecords | None = None  # the slot headers that a page reached L3 is written into
 
     @property
     def pending(self) -> int:
@@ -106,15 +99,10 @@ class Backup:
 
     def submit_many(self, entries: Iterable[Entry]) -> None:
         """Queues the dirty pages not queued yet: one clock reading and one wake-up for a request's pages."""
-        now, update, queue, n = time.monotonic(), self.index.update, self._queue, 0
-        for entry in entries:
-            if entry.queued or not entry.dirty:
-                continue
-            entry.queued = True
-            update(entry)
-            queue.append((now, entry))
-            n += 1
-        if n:
+        taken = self.life.queue(entries)
+        if taken:
+            now = time.monotonic()
+            self._queue.extend((now, entry) for entry in taken)
             self._idle.clear()
             self._wakeup.set()
 
@@ -123,7 +111,7 @@ class Backup:
         queued): they leave the queue, stay in L2 as any clean page (evictable) and are remembered in
         `dropped`. Pages being written are not taken: their call is under way. With `arena`, only pages of
         that arena of the pool (a tenant's) are taken. Returns how many."""
-        queue, update, dropped = self._queue, self.index.update, self.dropped
+        queue, drop = self._queue, self.life.drop
         freed = n = 0
         others = []  # another arena's, put back in their order
         while queue and freed < nbytes:
@@ -132,11 +120,7 @@ class Backup:
             if arena is not None and entry.cls.arena != arena:
                 others.append(item)
                 continue
-            entry.queued = False
-            if entry.dirty:
-                entry.dirty = False
-                update(entry)
-                dropped.add(entry)
+            if drop(entry):
                 freed += entry.cls.slot_bytes
                 n += 1
         queue.extendleft(reversed(others))
@@ -189,9 +173,7 @@ class Backup:
                 log.exception(
                     "backup worker failed on a batch of %d pages; they stay dirty in L2", len(batch)
                 )
-                for e in batch:
-                    e.queued = False
-                    self.index.update(e)
+                self.life.unqueue(batch, refile=True)
             finally:
                 self.inflight -= len(batch)
                 self.calls -= 1
@@ -204,8 +186,7 @@ class Backup:
         try:
             await self._write_leased(ns, entries, hold)
         finally:
-            for e in entries:
-                e.queued = False
+            self.life.unqueue(entries)
             if hold.released:
                 self.index.unlease_all(entries)
             else:
@@ -237,9 +218,7 @@ class Backup:
             ns,
         )
         for e in changed:
-            e.dirty = False
-            self.abandoned.discard(e)
-            self.index.update(e)
+            self.life.changed(e)
         gone = set(map(id, changed))
         return [e for e in failed if id(e) not in gone]
 
@@ -252,18 +231,17 @@ class Backup:
             if not todo or self.backend.current is None:
                 return  # detached: the tiers queue pages that are not in L3 again when a backend attaches
             try:
-                # No lookup before the write: pages known to be in L3 never get here (Tiers remembers
-                # them), and a lookup per page cost as much as the write itself on S3.
+                # No lookup before the write: a page owed to L3 is written, whatever L2 believed of L3
+                # (hicached.daemon.l2.life), and a lookup per page cost as much as the write itself on S3.
                 keys = [e.key for e in todo]
                 pool = self.pool.view  # Pool.slot, inlined
                 views = [pool[e.offset : e.offset + e.size] for e in todo]
                 # Each page's checksum as it entered L2 (taken by the engine's client or the copy executor):
                 # the backend writes it into the header and publishes the page only if its bytes, as
                 # written, hash to it; never one of a page's bytes as they may be now.
-                sums = [e.checksum for e in todo]
-                for i, e in enumerate(todo):
-                    if sums[i] is None:  # read from L3 (prefetched, checked there): hashed now, while leased
-                        sums[i] = e.checksum = xxhash.xxh3_64_intdigest(views[i])
+                # A page read from L3 (checked there) may have none: hashed now, while leased.
+                checksum = self.life.checksum
+                sums = [checksum(e, v) for e, v in zip(todo, views, strict=True)]
                 epoch = self.backend.epoch
                 ok = await self.backend.call(
                     "put",
@@ -274,14 +252,7 @@ class Backup:
                 failed, nbytes = [], 0
                 for e, good in zip(todo, ok, strict=True):
                     if good:
-                        e.dirty = False
-                        e.in_l3 = True
-                        if self.headers is not None:
-                            self.headers.in_l3(e)
-                        self.abandoned.discard(e)
-                        # Out of the dirty count now, not when the last lease goes: an engine may hold the
-                        # page past our lease. Evictable once _write gives that back (and any other lease).
-                        self.index.update(e)
+                        self.life.written(e)
                         nbytes += e.size
                     else:
                         failed.append(e)
@@ -302,10 +273,7 @@ class Backup:
                     attempt,
                     last_error,
                 )
-                for e in todo:
-                    e.dirty = False
-                    self.index.update(e)
-                self.abandoned.update(todo)
+                self.life.give_up(todo)
                 return
             self.counters["backup.retries"] += 1
             await asyncio.sleep(self.backoff.delay(attempt))

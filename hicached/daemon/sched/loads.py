@@ -12,7 +12,7 @@ from typing import Any
 from hicached.common.errors import NOT_FOUND, HicachedError
 from hicached.config import Config
 from hicached.connectors.base import BackendError, Connector
-from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex
+from hicached.daemon.l2.index import FILLING, READY, Entry, PageIndex
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.prefetch import Prefetcher
 from hicached.daemon.sched.session import Session
@@ -37,8 +37,8 @@ class Loads:
         out = []
         get = self.index.ns_entries(ns).get
         for key in keys:
-            entry = get(key)
-            if entry is None or entry.state == WRITING:
+            entry = get(key)  # READY or FILLING: a page being written is under no key yet
+            if entry is None:
                 break
             out.append(entry)
         return out
@@ -80,7 +80,7 @@ class Loads:
 
     async def _present(self, ns: str, keys: list[str]) -> list[bool]:
         get = self.index.ns_entries(ns).get
-        out = [(e := get(k)) is not None and e.state != WRITING for k in keys]
+        out = [get(k) is not None for k in keys]
         hits = sum(out)
         self.counters["lookup.l2_hits"] += hits
         missing = [i for i, here in enumerate(out) if not here]

@@ -13,11 +13,10 @@ import itertools
 import logging
 from typing import Any
 
-import xxhash
-
 from hicached.config.schema import batch_size
 from hicached.connectors.base import BackendError, Hold
-from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex, PageRecords
+from hicached.daemon.l2.index import Entry
+from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
 
@@ -34,7 +33,7 @@ class _Request:
 class Prefetcher:
     def __init__(
         self,
-        index: PageIndex,
+        life: PageLife,
         pool: Pool,
         backend: Backend,
         counters: collections.Counter[str],
@@ -43,7 +42,8 @@ class Prefetcher:
         batch_bytes: int,
         queue_pages: int,
     ) -> None:
-        self.index = index
+        self.life = life
+        self.index = life.index
         self.pool = pool
         self.backend = backend
         self.counters = counters
@@ -54,9 +54,6 @@ class Prefetcher:
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = itertools.count()
         self.pending = 0  # pages queued or being read
-        # The slot headers a crash rebuilds L2 from (headers.Headers.attach sets them): a page read from L3
-        # gets its record as it becomes ready, as a stored one does, so a crash keeps it in L2 too.
-        self.headers: PageRecords | None = None
         # Futures of batches that another fetch merged into (it waits on their pages): such a batch is
         # read even after its own request found a hole before it.
         self._merged: set[asyncio.Future[None]] = set()
@@ -120,7 +117,8 @@ class Prefetcher:
         lease: bool = False,
     ) -> list[Entry]:
         """Entries for the leading `keys` that are in L2 or are now being read from L3 (FILLING, with a
-        future). Stops at a key being written by an engine, at a full pool and at the queue bound. `req`
+        future). Stops at a full pool and at the queue bound (a key an engine is writing is read from L3
+        meanwhile: its store supersedes the read, hicached.daemon.l2.life). `req`
         and `first` (the position of keys[0] in it) let the steps of one request share hole skipping.
         With `lease`, every entry returned also holds a lease for the caller."""
         if self.backend.current is None:
@@ -140,8 +138,6 @@ class Prefetcher:
                     break
                 missing.append(pos)
                 out.append(key)
-            elif entry.state == WRITING:
-                break
             else:
                 index.lease(entry)
                 out.append(entry)
@@ -153,7 +149,7 @@ class Prefetcher:
             cls, slots = index.take_slots(page_bytes, len(missing), ns)
             wanted = [out[pos] for pos in missing]
             if len(set(wanted)) == len(wanted):  # as a rule: every key once
-                made = index.entries_at(ns, wanted[: len(slots)], page_bytes, cls, slots, FILLING, leases=2)
+                made = self.life.start_fills(ns, wanted[: len(slots)], page_bytes, cls, slots, leases=2)
                 for pos, entry in zip(missing, made, strict=False):  # made may be shorter
                     out[pos] = entry
                     new.append((first + pos, entry))
@@ -167,8 +163,7 @@ class Prefetcher:
                         if not slots:
                             full = pos
                             break
-                        entry = index.entry_at(ns, out[pos], page_bytes, cls, slots.pop(), FILLING)
-                        entry.leases = 2
+                        entry = self.life.start_fill(ns, out[pos], page_bytes, cls, slots.pop(), leases=2)
                         new.append((first + pos, entry))
                     else:
                         index.lease(entry)
@@ -190,9 +185,9 @@ class Prefetcher:
             step = batch_size(self.batch_pages, self.batch_bytes, page_bytes)
             for i in range(0, len(new), step):
                 batch = new[i : i + step]
-                done = loop.create_future()  # one per batch, done when its read ends: who waits for a
-                for _, entry in batch:  # page waits for its batch (a future per page cost ~1 us a page)
-                    entry.fill = done
+                # One future per batch, done when its read ends: who waits for a page waits for its batch
+                # (a future per page cost ~1 us a page).
+                self.life.filling([entry for _, entry in batch], loop.create_future())
                 self._queue.put_nowait((-priority, next(self._seq), ns, req, batch))
         return out
 
@@ -250,25 +245,10 @@ class Prefetcher:
         self.pending -= len(batch)
         done = batch[0][1].fill
         pages = 0
-        update, remove = self.index.update, self.index.remove  # runs for every page prefetched
-        records, pool = self.headers, self.pool.view
+        filled, unlease = self.life.filled, self.index.unlease  # runs for every page prefetched
         for (_, entry), good in zip(batch, ok, strict=True):
-            if good:
-                entry.state = READY
-                entry.in_l3 = in_l3
-                if records is not None:
-                    if entry.checksum is None:  # what a record carries; the backup then need not hash it
-                        entry.checksum = xxhash.xxh3_64_intdigest(
-                            pool[entry.offset : entry.offset + entry.size]
-                        )
-                    records.commit(entry)
-                pages += 1
-            else:
-                remove(entry)
-            entry.fill = None
-            entry.leases -= 1  # index.unlease, inlined: the fetch's own lease
-            if not entry.leases:
-                update(entry)
+            pages += filled(entry, good, in_l3)
+            unlease(entry)  # the fetch's own lease
         self.counters["prefetch.pages"] += pages
         self.counters["prefetch.bytes"] += pages * batch[0][1].size  # a batch is of one namespace
         if pages < len(batch):

@@ -1,12 +1,10 @@
 """Stores: a slot for each new page (alloc, or reserve ahead), the engine writes its bytes, then commit or put
-makes it a ready page of L2 and queues it for L3. Methods of Tiers (tiers.py holds the state)."""
+publishes it (hicached.daemon.l2.life) and queues it for L3. Methods of Tiers (tiers.py holds the state)."""
 
 from __future__ import annotations
 
 import collections
 import time
-
-import xxhash
 
 from hicached.common.errors import BAD_REQUEST, HicachedError
 from hicached.common.protocol import (
@@ -20,8 +18,8 @@ from hicached.common.protocol import (
 )
 from hicached.config import Config
 from hicached.connectors.base import Connector
-from hicached.daemon.l2.index import READY, WRITING, Entry, PageIndex, PageRecords
-from hicached.daemon.l2.pool import Pool
+from hicached.daemon.l2.index import READY, Entry, PageIndex
+from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.slabs import slot_size
 from hicached.daemon.sched.backup import Backup
 from hicached.daemon.sched.session import Session
@@ -31,13 +29,10 @@ class Stores:
     """Tiers' store requests (state set up in Tiers.__init__)."""
 
     cfg: Config
-    pool: Pool
+    life: PageLife
     index: PageIndex
     backup: Backup
     counters: collections.Counter[str]
-    headers: PageRecords | None
-    known_in_l3: collections.OrderedDict[tuple[str, str], None]
-    stranded: set[Entry]
     last_engine_io: float
     write_back: bool
     connector: Connector | None
@@ -45,8 +40,10 @@ class Stores:
     # Store: alloc -> engine writes the bytes -> commit.
 
     def alloc(self, s: Session, keys: list[str]) -> tuple[list[int], list[int]]:
-        """A slot for each key not in L2 yet (ALLOC_WRITE, leased until committed or aborted), in one go:
-        the slots of the whole request are taken together (a full pool's evictions in one loop)."""
+        """A slot of its own for each key without a READY page in L2 (ALLOC_WRITE, leased until committed or
+        aborted; a page being read from L3 is no page yet), in one go: the slots of the whole request are
+        taken together (a full pool's evictions in one loop). A key this connection is writing already is
+        busy: its first write may still be aborted."""
         self.last_engine_io = time.monotonic()
         n = len(keys)
         status, offsets = [ALLOC_PRESENT] * n, [-1] * n
@@ -56,21 +53,20 @@ class Stores:
         if through and self.cfg.storage.when_backlog_full == "refuse":
             room = min(room, self._backlog_room(s) - held)
         get = self.index.ns_entries(s.ns).get
-        given_up = self.backup.abandoned if self.connector is not None else ()
-        retry: list[Entry] = []
+        owed: list[Entry] = []
         want: list[int] = []  # positions that get a slot
         first: dict[str, int] = {}  # key -> its first position, for a key asked twice
         again: list[tuple[int, int]] = []
+        writing = s.writing
         for i, key in enumerate(keys):
             entry = get(key)
-            if entry is not None:
-                if entry.state == READY:
-                    self.index.touch(entry)
-                    if given_up and entry in given_up:
-                        retry.append(entry)
+            if entry is not None and entry.state is READY:
+                self.index.touch(entry)
+                if not entry.dirty and self.life.stored_again(entry):
+                    owed.append(entry)
             elif key in first:
                 again.append((i, first[key]))
-            elif len(want) >= room:
+            elif key in writing or len(want) >= room:
                 self.counters["store.busy"] += 1
                 status[i] = ALLOC_BUSY
                 first[key] = i
@@ -78,12 +74,9 @@ class Stores:
                 want.append(i)
                 first[key] = i
         if want:
-            cls, slots = self.index.take_slots(s.page_bytes, len(want), s.ns)
-            entries = self.index.entries_at(
-                s.ns, [keys[i] for i in want[: len(slots)]], s.page_bytes, cls, slots, WRITING, leases=1
-            )
+            entries = self.life.start_writes(s.ns, [keys[i] for i in want], s.page_bytes)
             for i, entry in zip(want, entries, strict=False):  # entries may be fewer
-                s.writing[entry.key] = entry
+                writing[entry.key] = entry
                 status[i] = ALLOC_WRITE
                 offsets[i] = entry.offset
             if len(entries) < len(want):
@@ -96,8 +89,8 @@ class Stores:
             if status[j] != ALLOC_WRITE:
                 status[i] = status[j]
                 self.counters["store.busy" if status[j] == ALLOC_BUSY else "store.no_space"] += 1
-        if retry:
-            self._retry_given_up(retry)
+        if owed and not self.write_back:
+            self.backup.submit_many(owed)
         return status, offsets
 
     def commit(self, s: Session, keys: list[str], sums: list[int] | None = None) -> list[bool]:
@@ -105,19 +98,25 @@ class Stores:
         client took them (the backup then writes them as they are)."""
         out = []
         backup = []
+        publish = self.life.publish
         for i, key in enumerate(keys):
             entry = s.writing.pop(key, None)
             if entry is None:
                 out.append(False)
                 continue
-            if sums is not None:
-                entry.checksum = sums[i]
-            if self._stored(entry):
-                backup.append(entry)
+            page, owed = publish(entry, None if sums is None else sums[i])
+            if owed:
+                backup.append(page)
             out.append(True)
-        self.backup.submit_many(backup)
-        self._after_stores()
+        self._queue_stored(backup)
         return out
+
+    def _queue_stored(self, pages: list[Entry]) -> None:
+        """Pages just stored that are owed to L3: queued now under write-through (the caller gathers a
+        request's pages), written on pressure under write-back."""
+        if not self.write_back:
+            self.backup.submit_many(pages)
+        self._after_stores()
 
     def hold_writing(self, s: Session, keys: list[str]) -> list[Entry]:
         """The slots alloc just gave `keys` (all different), taken out of the engine's reach while the daemon
@@ -132,55 +131,16 @@ class Stores:
         backup = []
         for i, entry in enumerate(entries):
             s.copying.discard(entry)
-            if sums is not None:
-                entry.checksum = sums[i]
-            if self._stored(entry):
-                backup.append(entry)
-        self.backup.submit_many(backup)
-        self._after_stores()
+            page, owed = self.life.publish(entry, None if sums is None else sums[i])
+            if owed:
+                backup.append(page)
+        self._queue_stored(backup)
 
     def abort_held(self, s: Session, entries: list[Entry]) -> None:
         """abort() of slots from hold_writing whose copy failed (or never started)."""
         for entry in entries:
             s.copying.discard(entry)
-            self.index.unlease(entry)
-            self.index.remove(entry)
-
-    def _stored(self, entry: Entry) -> bool:
-        """A page whose bytes the engine has written (leased while it did) becomes ready. True when it
-        is for the backup queue now (write-through): the caller submits a request's pages together."""
-        if entry.checksum is None:
-            # A client that sent none (the protocol has them optional): taken now, as the page enters L2.
-            # What its bytes must hash to from now on: L3 publishes it only if they do.
-            entry.checksum = xxhash.xxh3_64_intdigest(self.pool.slot(entry.offset, entry.size))
-        entry.state = READY
-        k = (entry.ns, entry.key)
-        if k in self.known_in_l3:
-            del self.known_in_l3[k]
-            entry.in_l3 = True  # it was there when this page last left L2: not written again
-            self.counters["store.known_in_l3"] += 1
-        if self.connector is not None:
-            entry.dirty = not entry.in_l3
-        elif not entry.in_l3 and self.cfg.storage.backend != "none":
-            # Owed to the configured backend, which is away (its breaker open, detached): backed up when it
-            # attaches. With storage.backend = "none" the daemon is L2 only: nothing is owed.
-            self.stranded.add(entry)
-        if self.headers is not None:
-            self.headers.commit(entry)  # before the answer: an acknowledged page outlives a crash
-        self.index.unlease(entry)
-        self.counters["store.pages"] += 1
-        self.counters["store.bytes"] += entry.size
-        return entry.dirty and not self.write_back
-
-    def _retry_given_up(self, entries: list[Entry]) -> None:
-        """Pages the backup gave up on that an engine stored again while still in L2: owed to L3 again, so
-        held for it and written (the backend may take them now), not lost when they leave L2 once written."""
-        for entry in entries:
-            self.backup.abandoned.discard(entry)
-            entry.dirty = True
-            self.index.update(entry)
-        if not self.write_back:
-            self.backup.submit_many(entries)
+            self.life.abort_write(entry)
 
     # Store from reserved slots: reserve (ahead, answered while the engine copies) -> the engine writes
     # the bytes into slots it already holds -> put binds each slot to its key. A store then waits on
@@ -227,31 +187,24 @@ class Stores:
         room = self.backup.queue_pages - self.backup.pending - held
         if through and self.cfg.storage.when_backlog_full == "refuse":
             room = min(room, self._backlog_room(s) - held)
-        given_up = self.backup.abandoned if self.connector is not None else ()
-        retry: list[Entry] = []
+        owed: list[Entry] = []
         for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
             entry = self.index.get(s.ns, key)
-            if entry is not None:
-                if entry.state == READY:
-                    self.index.touch(entry)
-                    if given_up and entry in given_up:
-                        retry.append(entry)
+            if entry is not None and entry.state is READY:
+                self.index.touch(entry)
+                if not entry.dirty and self.life.stored_again(entry):
+                    owed.append(entry)
                 status.append(PUT_PRESENT)
                 continue
             if through and len(backup) >= room:
                 self.counters["store.busy"] += 1
                 status.append(PUT_BUSY)
                 continue
-            entry = s.reserved.pop(off)
-            self.index.bind(entry, key)
-            entry.checksum = None if sums is None else sums[i]
-            if self._stored(entry):
-                backup.append(entry)
+            page, now = self.life.publish(s.reserved.pop(off), None if sums is None else sums[i], key)
+            if now:
+                backup.append(page)
             status.append(PUT_STORED)
-        self.backup.submit_many(backup)
-        if retry:
-            self._retry_given_up(retry)
-        self._after_stores()
+        self._queue_stored(backup + owed)
         return status
 
     def abort(self, s: Session, keys: list[str]) -> int:
@@ -259,7 +212,6 @@ class Stores:
         for key in keys:
             entry = s.writing.pop(key, None)
             if entry is not None:
-                self.index.unlease(entry)
-                self.index.remove(entry)
+                self.life.abort_write(entry)
                 n += 1
         return n

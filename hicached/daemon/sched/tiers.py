@@ -17,7 +17,8 @@ from hicached.common.errors import BAD_REQUEST, NOT_FOUND, HicachedError
 from hicached.common.retry import Backoff
 from hicached.config import Config
 from hicached.connectors.base import BackendError, Connector
-from hicached.daemon.l2.index import FILLING, READY, WRITING, Entry, PageIndex, PageRecords
+from hicached.daemon.l2.index import FILLING, READY, Entry, PageRecords
+from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.l2.slabs import SlabAllocator, slot_size
 from hicached.daemon.sched.arenas import Arenas
@@ -81,13 +82,23 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         self.cfg = cfg
         self.pool = pool
         slab = cfg.pool.slab_size
-        self.index = PageIndex([SlabAllocator(a.size, slab, a.base, a.index) for a in pool.arenas])
-        self.arenas = Arenas(pool, self.index, lambda: self.cfg.tenants)  # cfg: a reload replaces it
-        self.tenanted = self.arenas.tenanted
-        self.index.arena_of = self.arenas.arena_of
         self.counters: collections.Counter[str] = collections.Counter()
         self.backend = Backend(cfg, self.counters)
         self.backend.current = connector
+        # Every page's state and its moves (see life.py); the index files the pages.
+        self.life = PageLife(
+            [SlabAllocator(a.size, slab, a.base, a.index) for a in pool.arenas],
+            pool,
+            self.counters,
+            attached=lambda: self.backend.current is not None,
+            configured=lambda: self.cfg.storage.backend != "none",  # cfg: a reload replaces it
+            lost=self._lose,
+            arena_of=lambda ns: self.arenas.arena_of(ns),
+            on_short=self._backlog_full,
+        )
+        self.index = self.life.index
+        self.arenas = Arenas(pool, self.index, lambda: self.cfg.tenants)
+        self.tenanted = self.arenas.tenanted
         if connector is not None:
             self.backend.note_location(connector)
         self._l3_epoch = self.backend.epoch  # the store that entries' in_l3 refers to
@@ -96,29 +107,14 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         self.attached = asyncio.Event()  # set while a backend is attached (the warmup waits for one)
         if connector is not None:
             self.attached.set()
-        # (namespace, key) of pages that left L2 while in L3, most recent last; bounded.
-        self.known_in_l3: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-        # Acknowledged pages owed to L3 while no backend is attached to write them to (dirty when it went
-        # away, or stored since): not held in L2 for it. Backed up when one attaches; lost if they leave L2
-        # first. Bounded by L2, like backup.abandoned (the pages the backup gave up on).
-        self.stranded: set[Entry] = set()
-        # Pages lost: acknowledged, owed to L3, and gone from L2 before reaching it. Counted from 0, so that
-        # the metric exists before the first loss.
-        self.counters["backup.lost"] = 0
         self._lost_flushed = 0  # backup.lost when the previous flush answered
         self._gone_flushed = 0  # backup.dropped_gone then
-        self.counters["backup.dropped"] = 0
         self._lost_report = _EveryMinute(self.counters, "backup.lost", logging.ERROR)
         self._dropped_report = _EveryMinute(self.counters, "backup.dropped", logging.WARNING)
-        self.index.on_remove = self._removed
-        # The slot headers a crash rebuilds L2 from (headers.Headers.attach sets them): written as pages
-        # become ready, reach L3 and leave.
-        self.headers: PageRecords | None = None
-        self.index.on_short = self._backlog_full
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
         self.backup = Backup(
-            self.index,
+            self.life,
             pool,
             self.backend,
             self.counters,
@@ -129,7 +125,7 @@ class Tiers(Stores, Loads, Losses, WriteBack):
             Backoff.from_config(st.retry),
         )
         self.prefetcher = Prefetcher(
-            self.index,
+            self.life,
             pool,
             self.backend,
             self.counters,
@@ -140,11 +136,22 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         )
         self._pressure = asyncio.Event()
         self._writeback_task: asyncio.Task[None] | None = None
-        self.pinned_bytes = 0
-        self.arena_pinned = [0] * len(pool.arenas)  # pinned_bytes by arena
         self.last_engine_io = 0.0  # time.monotonic() of the last store or load
         self.backup.allowed = self._backup_calls_allowed
         self.backup.defer = self._backup_defer
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.life.pinned_bytes
+
+    @property
+    def stranded(self) -> set[Entry]:
+        """Acknowledged pages owed to L3 while no backend is attached (life.PageLife.stranded)."""
+        return self.life.stranded
+
+    def observe(self, records: PageRecords | None) -> None:
+        """The slot headers a crash rebuilds L2 from hear of every page made ready, written to L3 or gone."""
+        self.life.observe(records)
 
     @property
     def connector(self) -> Connector | None:
@@ -159,7 +166,7 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         return self.arenas.arena_of(ns)
 
     def tenant_stats(self, tenant: str) -> dict[str, Any]:
-        return self.arenas.tenant_stats(tenant, self.namespaces, self.arena_pinned)
+        return self.arenas.tenant_stats(tenant, self.namespaces, self.life.arena_pinned)
 
     def retenant(self) -> int:
         return self.arenas.retenant(self.namespaces)
@@ -213,13 +220,12 @@ class Tiers(Stores, Loads, Losses, WriteBack):
 
     def _unreserve(self, s: Session) -> None:
         for e in s.reserved.values():
-            self.index.unreserve(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
+            self.life.unreserve(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
         s.reserved.clear()
 
     def _abandon_writing(self, s: Session) -> None:
         for e in s.writing.values():
-            self.index.unlease(e)
-            self.index.remove(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
+            self.life.abort_write(e, quarantine=CLOSED_SLOT_QUARANTINE_S)
         s.writing.clear()
 
     def close_session(self, s: Session) -> None:
@@ -341,7 +347,7 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         self.prefetcher.forgetting(ns, True)
         try:
             out: dict[str, Any] = {"l2": 0, "busy": 0, "l3": 0}
-            todo = [e for e in self.index.ns_entries(ns).values() if e.state != WRITING]
+            todo = list(self.index.ns_entries(ns).values())
             deadline = time.monotonic() + self.cfg.server.request_timeout
             while todo:
                 held = []
@@ -349,7 +355,7 @@ class Tiers(Stores, Loads, Losses, WriteBack):
                     if not self.index.live(e):
                         continue
                     if e.state == READY and not e.leases:
-                        self._forget(e)
+                        self.life.forget(e)
                         out["l2"] += 1
                     else:
                         held.append(e)
@@ -359,8 +365,6 @@ class Tiers(Stores, Loads, Losses, WriteBack):
                     break
                 if todo:
                     await asyncio.sleep(0.005)
-            for k in [k for k in self.known_in_l3 if k[0] == ns]:
-                del self.known_in_l3[k]
             if self.connector is not None:
                 try:
                     # A namespace may be many objects (a thousand a request on S3): the request's bound, not
@@ -379,19 +383,6 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         self.counters["clear.l3_objects"] += out["l3"] or 0
         log.info("namespace %s cleared by %s: %s", ns, s.peer or "an engine", out)
         return out
-
-    def _forget(self, entry: Entry) -> None:
-        """An idle page out of L2 for clear(): owed to L3 no more, not remembered as in it, not lost."""
-        entry.dirty = False
-        entry.in_l3 = False
-        self.backup.abandoned.discard(entry)
-        self.backup.dropped.discard(entry)
-        self.stranded.discard(entry)
-        if entry.pinned:
-            entry.pinned = False
-            self.pinned_bytes -= entry.cls.slot_bytes
-            self.arena_pinned[entry.cls.arena] -= entry.cls.slot_bytes
-        self.index.remove(entry)
 
     # Recency.
 
@@ -420,28 +411,15 @@ class Tiers(Stores, Loads, Losses, WriteBack):
     def pin_entry(self, entry: Entry, limit: float | None = None) -> bool:
         """Pins one page unless that would pass `limit` bytes of pins (default: pool.max_pinned_fraction of
         its arena: a tenant's pins are bounded within its own pool)."""
-        if entry.pinned:
-            return True
-        arena = entry.cls.arena
         if limit is None:
-            limit = self.cfg.pool.max_pinned_fraction * self.index.allocs[arena].capacity
-        if self.arena_pinned[arena] + entry.cls.slot_bytes > limit:
-            return False
-        entry.pinned = True
-        self.pinned_bytes += entry.cls.slot_bytes
-        self.arena_pinned[arena] += entry.cls.slot_bytes
-        self.index.update(entry)
-        return True
+            limit = self.cfg.pool.max_pinned_fraction * self.index.allocs[entry.cls.arena].capacity
+        return self.life.pin(entry, limit)
 
     def unpin(self, s: Session, keys: list[str]) -> int:
         n = 0
         for key in keys:
             entry = self.index.get(s.ns, key)
-            if entry is not None and entry.pinned:
-                entry.pinned = False
-                self.pinned_bytes -= entry.cls.slot_bytes
-                self.arena_pinned[entry.cls.arena] -= entry.cls.slot_bytes
-                self.index.update(entry)
+            if entry is not None and self.life.unpin(entry):
                 n += 1
         return n
 

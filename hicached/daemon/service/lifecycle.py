@@ -271,7 +271,7 @@ class Daemon:
                     "were lost before, since the last flush",
                     answer["not_in_l3"],
                     self.tiers.backup.pending if self.tiers.connector is not None else 0,
-                    len(self.tiers.backup.abandoned),
+                    len(self.tiers.life.given_up),
                     len(self.tiers.stranded),
                     answer["lost"],
                 )

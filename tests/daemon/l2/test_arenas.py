@@ -137,7 +137,7 @@ async def test_fractions_apply_within_a_tenants_pool(tmp_path):
         store(t, a, keys, 1)
         with pytest.raises(HicachedError, match="max_pinned_fraction"):
             t.pin(a, keys)
-        assert t.arena_pinned[t.pool.arena("a").index] == 16 * PAGE
+        assert t.life.arena_pinned[t.pool.arena("a").index] == 16 * PAGE
         b = session(t, "b", "b.m")
         store(t, b, ["q"], 2)
         assert t.pin(b, ["q"]) == 1  # b's own bound is untouched by a's pins

@@ -81,7 +81,7 @@ async def test_pages_given_up_then_evicted_are_lost_once_and_flush_reports_them_
         }  # at risk
         await push_out(t, "ok.ns", 80)  # a pool of 64 pages: the given-up ones go first
         assert all(t.index.get(BAD, k) is None for k in "abc")
-        assert t.counters["backup.lost"] == 3 and not t.backup.abandoned
+        assert t.counters["backup.lost"] == 3 and not t.life.given_up
         answer = await t.flush(10)
         assert answer == {"flushed": False, "backup_pending": 0, "not_in_l3": 0, "lost": 3, "dropped": 0}
         # Reported once: the next flush answers what was lost since.
