@@ -150,15 +150,15 @@ class PageLife:
         # Owed and held already, or being written right now (the write lands after the store came).
         if entry.dirty or entry.queued or not self._configured():
             return False
-        if not self._attached():
-            self.stranded.add(entry)
-            return False
         self.given_up.discard(entry)
         self.dropped.discard(entry)
-        self.stranded.discard(entry)
         if entry.in_l3:
             self.counters["store.rewritten"] += 1  # believed in L3: written again, the belief may be stale
         entry.in_l3 = False
+        if not self._attached():  # owed to the backend when it is back, lost if it leaves L2 before
+            self.stranded.add(entry)
+            return False
+        self.stranded.discard(entry)
         entry.dirty = True
         self.index.update(entry)
         return True

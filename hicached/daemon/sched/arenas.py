@@ -19,10 +19,8 @@ class Arenas:
     """Namespace -> arena and tenant -> arena. `tenants`: the tenants of the configuration in force (a reload
     replaces it; retenant then places the namespaces afresh)."""
 
-    def __init__(
-        self, pool: Pool, index: PageIndex, tenants: Callable[[], Mapping[str, TenantConfig]]
-    ) -> None:
-        self.pool, self.index, self.tenants = pool, index, tenants
+    def __init__(self, pool: Pool, tenants: Callable[[], Mapping[str, TenantConfig]]) -> None:
+        self.pool, self.tenants = pool, tenants
         # namespace -> its arena (tenant), from the tenants' namespaces: forgotten at each reload (retenant)
         self._ns_arena: dict[str, int] = {}
         # Tenants have pools of their own (the pool's arenas); else one pool serves every engine.
@@ -67,8 +65,11 @@ class Arenas:
             self._ns_arena[ns] = got
         return got
 
-    def tenant_stats(self, tenant: str, namespaces: dict[str, int], pinned: list[int]) -> dict[str, Any]:
-        """One tenant's figures of L2: its pool (arena) and the namespaces whose pages live in it."""
+    def tenant_stats(
+        self, index: PageIndex, tenant: str, namespaces: dict[str, int], pinned: list[int]
+    ) -> dict[str, Any]:
+        """One tenant's figures of L2 (`index`): its pool (arena) and the namespaces whose pages live in
+        it."""
         try:
             a = self._tenant_arena(tenant)
         except HicachedError:
@@ -77,17 +78,17 @@ class Arenas:
         names = {ns: pb for ns, pb in namespaces.items() if self.arena_of(ns) == i}
         return {
             "pool_bytes": a.size,
-            "capacity_bytes": self.index.allocs[i].capacity,
-            "used_bytes": self.index.used_bytes(i),
-            "pages": sum(len(self.index.ns_entries(ns)) for ns in names),
-            "unbacked_bytes": self.index.arena_dirty[i],
-            "reserved_bytes": self.index.arena_reserved[i],
+            "capacity_bytes": index.allocs[i].capacity,
+            "used_bytes": index.used_bytes(i),
+            "pages": sum(len(index.ns_entries(ns)) for ns in names),
+            "unbacked_bytes": index.arena_dirty[i],
+            "reserved_bytes": index.arena_reserved[i],
             "pinned_bytes": pinned[i],
             "namespaces": names,
-            "slabs": self.index.allocs[i].stats(),
+            "slabs": index.allocs[i].stats(),
         }
 
-    def retenant(self, namespaces: dict[str, int]) -> int:
+    def retenant(self, index: PageIndex, namespaces: dict[str, int]) -> int:
         """After a reload (the tenants' namespaces may have changed): namespaces are placed afresh, and pages
         of a namespace that now belongs to another tenant leave L2 where nothing holds them (in L3 already,
         or nothing to back them up to); the others follow as they become idle (an engine is never handed
@@ -98,9 +99,9 @@ class Arenas:
         n = 0
         for ns in list(namespaces):
             arena = self.arena_of(ns)
-            for entry in list(self.index.ns_entries(ns).values()):
+            for entry in list(index.ns_entries(ns).values()):
                 if entry.cls.arena != arena and entry.evictable:
-                    self.index.remove(entry)
+                    index.remove(entry)
                     n += 1
         return n
 

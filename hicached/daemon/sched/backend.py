@@ -75,7 +75,13 @@ class Histogram:
 
 
 class Backend:
-    def __init__(self, cfg: Config, counters: collections.Counter[str]) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        counters: collections.Counter[str],
+        on_attach: Callable[[Connector], None] | None = None,
+        on_detach: Callable[[], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.current: Connector | None = None
@@ -91,8 +97,8 @@ class Backend:
         self._location: tuple | None = None
         # Called with the connector after it is attached (by a swap or a re-attach): the tiers queue the
         # pages in L2 that are not in L3 yet.
-        self.on_attach: Callable[[Connector], None] = lambda c: None
-        self.on_detach: Callable[[], None] = lambda: None
+        self.on_attach: Callable[[Connector], None] = on_attach or (lambda c: None)
+        self.on_detach: Callable[[], None] = on_detach or (lambda: None)
         # The calls in flight on each connector (by task: a stall abandons them), with when and what they are.
         self._calls: dict[asyncio.Task, _Call] = {}
         self._abandoned: set[asyncio.Task] = set()  # cancelled by a stall; their call raises "stalled"

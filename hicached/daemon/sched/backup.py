@@ -43,6 +43,8 @@ class Backup:
         batch_bytes: int,
         queue_pages: int,
         backoff: Backoff,
+        allowed: Callable[[], int] | None = None,
+        defer: Callable[[], float] | None = None,
     ) -> None:
         self.life = life
         self.index = life.index
@@ -61,12 +63,12 @@ class Backup:
         self.inflight = 0
         self.calls = 0  # backend calls in flight
         self.lingering = 0  # pages still leased by puts given up whose io threads have not let go yet
-        # Calls allowed in flight right now (0: no limit besides concurrency); Tiers lowers it while engines
-        # are busy, so that background writes leave them the CPU.
-        self.allowed: Callable[[], int] = lambda: 0
+        # Calls allowed in flight right now (0: no limit besides concurrency); the write policy lowers it
+        # while engines are busy, so that background writes leave them the CPU.
+        self.allowed: Callable[[], int] = allowed or (lambda: 0)
         # How long a page may wait, from when it was queued, for engines to pause before it is written
-        # anyway (0: not at all); Tiers sets it while engines are busy (storage.backup_defer).
-        self.defer: Callable[[], float] = lambda: 0.0
+        # anyway (0: not at all); the write policy sets it while engines are busy (storage.backup_defer).
+        self.defer: Callable[[], float] = defer or (lambda: 0.0)
         self._workers: list[asyncio.Task[None]] = []
 
     @property

@@ -1,11 +1,10 @@
 """Lookups and loads: which keys L2 or L3 hold, and leases on the pages an engine copies out (reading them
-from L3 first if asked). Methods of Tiers (tiers.py holds the state)."""
+from L3 first if asked)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -13,6 +12,7 @@ from hicached.common.errors import NOT_FOUND, HicachedError
 from hicached.config import Config
 from hicached.connectors.base import BackendError, Connector
 from hicached.daemon.l2.index import FILLING, READY, Entry, PageIndex
+from hicached.daemon.sched.activity import EngineActivity
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.prefetch import Prefetcher
 from hicached.daemon.sched.session import Session
@@ -21,19 +21,31 @@ LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
 
 
 class Loads:
-    """Tiers' lookup and load requests (state set up in Tiers.__init__)."""
+    """The lookup and load requests of engines' sessions. `cfg` is replaced by a reload (Tiers.cfg)."""
 
-    cfg: Config
-    index: PageIndex
-    backend: Backend
-    prefetcher: Prefetcher
-    counters: collections.Counter[str]
-    last_engine_io: float
-    connector: Connector | None
+    def __init__(
+        self,
+        cfg: Config,
+        index: PageIndex,
+        backend: Backend,
+        prefetcher: Prefetcher,
+        activity: EngineActivity,
+        counters: collections.Counter[str],
+    ) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.backend = backend
+        self.prefetcher = prefetcher
+        self.activity = activity
+        self.counters = counters
+
+    @property
+    def connector(self) -> Connector | None:
+        return self.backend.current
 
     # Lookup and load.
 
-    def _leading_l2(self, ns: str, keys: list[str]) -> list[Entry]:
+    def leading_l2(self, ns: str, keys: list[str]) -> list[Entry]:
         out = []
         get = self.index.ns_entries(ns).get
         for key in keys:
@@ -45,7 +57,7 @@ class Loads:
 
     def exists_l2(self, s: Session, keys: list[str]) -> int | None:
         """The answer to `exists` when L2 alone settles it (all keys there, or no L3), else None."""
-        n = len(self._leading_l2(s.ns, keys))
+        n = len(self.leading_l2(s.ns, keys))
         if n == len(keys) or self.connector is None:
             self.counters["lookup.l2_hits"] += n
             self.counters["lookup.misses"] += len(keys) > n
@@ -58,7 +70,7 @@ class Loads:
         return self._exists(s.ns, keys)
 
     async def _exists(self, ns: str, keys: list[str]) -> int:
-        n = len(self._leading_l2(ns, keys))
+        n = len(self.leading_l2(ns, keys))
         self.counters["lookup.l2_hits"] += n
         if n < len(keys) and self.connector is not None:
             rest = keys[n:]
@@ -108,7 +120,7 @@ class Loads:
 
     def acquire_ready(self, s: Session, keys: list[str]) -> tuple[int, list[int]]:
         """acquire() for keys that all_ready() just vouched for: nothing to wait on."""
-        self.last_engine_io = time.monotonic()
+        self.activity.touch()
         by_key = self.index.ns_entries(s.ns)
         entries = [by_key[key] for key in keys]
         self.index.lease_all(entries)
@@ -127,18 +139,18 @@ class Loads:
     async def _acquire(
         self, s: Session, ns: str, page_bytes: int, keys: list[str], fetch: bool
     ) -> tuple[int, list[int]]:
-        self.last_engine_io = time.monotonic()
-        entries = self._leading_l2(ns, keys)
+        self.activity.touch()
+        entries = self.leading_l2(ns, keys)
         self.index.lease_all(entries)
         self.prefetcher.merge(entries)
         if fetch and len(entries) < len(keys):
             entries += self.prefetcher.fetch(ns, keys[len(entries) :], page_bytes, LOAD_PRIORITY, lease=True)
         try:
-            await self._settle(entries, self.cfg.server.request_timeout)
+            await self.settle(entries, self.cfg.server.request_timeout)
         except BaseException:  # the connection went away while we waited: give the leases back
             self.index.unlease_all(entries)
             raise
-        n = self._leading_ready(entries)
+        n = self.leading_ready(entries)
         self.index.unlease_all(entries[n:])
         self.counters["load.pages"] += n
         self.counters["load.bytes"] += n * page_bytes
@@ -163,10 +175,10 @@ class Loads:
             raise HicachedError(NOT_FOUND, f"no lease {lease} on this connection")
         self.index.unlease_all(entries)
 
-    async def _settle(self, entries: list[Entry], timeout: float) -> None:
+    async def settle(self, entries: list[Entry], timeout: float) -> None:
         futures = {e.fill for e in entries if e.state == FILLING and e.fill is not None}  # one per batch
         if futures and timeout > 0:
             await asyncio.wait(futures, timeout=timeout)
 
-    def _leading_ready(self, entries: list[Entry]) -> int:
+    def leading_ready(self, entries: list[Entry]) -> int:
         return self.index.leading_live(entries[0].ns, entries, READY) if entries else 0

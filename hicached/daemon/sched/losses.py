@@ -1,5 +1,5 @@
-"""Pages owed to L3: a backend attached or detached, the losses reported, `ctl flush`. Methods of Tiers
-(tiers.py holds the state); the pages' moves are hicached.daemon.l2.life's."""
+"""What L3 is owed: a backend attached or detached, `ctl flush` (the pages' moves are
+hicached.daemon.l2.life's)."""
 
 from __future__ import annotations
 
@@ -7,38 +7,40 @@ import asyncio
 import collections
 import logging
 
-from hicached.config import Config
 from hicached.connectors.base import Connector
 from hicached.daemon.l2.life import PageLife
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.backup import Backup
+from hicached.daemon.sched.writeback import WritePolicy
 
 log = logging.getLogger("hicached.tiers")
 
 
-class Losses:
-    """Tiers' bookkeeping of what L3 is owed (state set up in Tiers.__init__)."""
+class L3Debt:
+    """What L3 is owed as backends come and go, and `ctl flush`: built on the page lifecycle (`life`), the
+    backup queue and the write policy (under write-back, pages owed are written on pressure)."""
 
-    cfg: Config
-    life: PageLife
-    backend: Backend
-    backup: Backup
-    counters: collections.Counter[str]
-    attached: asyncio.Event
-    write_back: bool
-    connector: Connector | None
-    _l3_epoch: int
-    _lost_flushed: int
-    _gone_flushed: int
+    def __init__(
+        self,
+        life: PageLife,
+        backend: Backend,
+        backup: Backup,
+        policy: WritePolicy,
+        counters: collections.Counter[str],
+    ) -> None:
+        self.life = life
+        self.backend = backend
+        self.backup = backup
+        self.policy = policy
+        self.counters = counters
+        self.attached = asyncio.Event()  # set while a backend is attached (the warmup waits for one)
+        if backend.current is not None:
+            self.attached.set()
+        self._l3_epoch = backend.epoch  # the store that pages' in_l3 refers to
+        self._lost_flushed = 0  # backup.lost when the previous flush answered
+        self._gone_flushed = 0  # backup.dropped_gone then
 
-    def _lose(self, n: int) -> None:
-        self._lost_report.add(
-            n,
-            "lost %d acknowledged pages since %s: they left L2 before reaching L3 (given up by the backup, "
-            "or no backend attached to write them to); %d in all (backup.lost; `ctl flush` reports them)",
-        )
-
-    def _attached(self, connector: Connector) -> None:
+    def backend_attached(self, connector: Connector) -> None:
         """A backend was attached: pages in L2 that never reached L3 are backed up to it."""
         self.attached.set()
         if self.life.records is not None:
@@ -49,12 +51,12 @@ class Losses:
         other_store = self.backend.epoch != self._l3_epoch
         self._l3_epoch = self.backend.epoch
         owed = self.life.backend_attached(other_store)
-        if not self.write_back:
+        if not self.policy.write_back:
             self.backup.submit_many(owed)
         if owed:
             log.info("queued %d pages that are not in L3 yet for %s", len(owed), connector.name)
 
-    def _detached(self) -> None:
+    def backend_detached(self) -> None:
         """No backend: nothing can be written, so dirty pages stop holding their slots. They are still owed
         to L3 (stranded): backed up when a backend attaches again, lost if they leave L2 before."""
         self.attached.clear()
@@ -65,7 +67,7 @@ class Losses:
         them now: a disk freed), and wait for the queue to drain (shutdown, drain). True only when every
         one of them reached L3: none was still queued at `timeout`, none was given up again. With no backend
         attached nothing can be written: True only when no page owed to L3 waits in L2 for one."""
-        if self.connector is None:
+        if self.backend.current is None:
             # A put in flight as the backend was detached may still have written some, or given them up
             # (they are counted in given_up then).
             self.life.settle_stranded()
@@ -78,7 +80,7 @@ class Losses:
     def not_in_l3(self) -> int:
         """Pages acknowledged to engines and owed to L3, still in L2, that are not known to be in L3 after a
         flush: still queued or being written, given up by the backup, or waiting for a backend."""
-        return self.life.not_in_l3(self.connector is not None, self.backup.pending)
+        return self.life.not_in_l3(self.backend.current is not None, self.backup.pending)
 
     async def flush(self, timeout: float) -> dict:
         """What `ctl flush` and `ctl drain` answer: flush_dirty, and the pages lost since the previous answer.

@@ -1,10 +1,9 @@
 """Stores: a slot for each new page (alloc, or reserve ahead), the engine writes its bytes, then commit or put
-publishes it (hicached.daemon.l2.life) and queues it for L3. Methods of Tiers (tiers.py holds the state)."""
+publishes it (hicached.daemon.l2.life) and queues it for L3."""
 
 from __future__ import annotations
 
 import collections
-import time
 
 from hicached.common.errors import BAD_REQUEST, HicachedError
 from hicached.common.protocol import (
@@ -17,25 +16,46 @@ from hicached.common.protocol import (
     PUT_STORED,
 )
 from hicached.config import Config
-from hicached.connectors.base import Connector
-from hicached.daemon.l2.index import READY, Entry, PageIndex
+from hicached.daemon.l2.index import READY, Entry
 from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.slabs import slot_size
+from hicached.daemon.sched.activity import EngineActivity
+from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.backup import Backup
 from hicached.daemon.sched.session import Session
+from hicached.daemon.sched.writeback import WritePolicy
 
 
 class Stores:
-    """Tiers' store requests (state set up in Tiers.__init__)."""
+    """The store requests of engines' sessions. `cfg` is replaced by a reload (Tiers.cfg)."""
 
-    cfg: Config
-    life: PageLife
-    index: PageIndex
-    backup: Backup
-    counters: collections.Counter[str]
-    last_engine_io: float
-    write_back: bool
-    connector: Connector | None
+    def __init__(
+        self,
+        cfg: Config,
+        life: PageLife,
+        backup: Backup,
+        backend: Backend,
+        policy: WritePolicy,
+        activity: EngineActivity,
+        counters: collections.Counter[str],
+    ) -> None:
+        self.cfg = cfg
+        self.life = life
+        self.index = life.index
+        self.backup = backup
+        self.backend = backend
+        self.policy = policy
+        self.activity = activity
+        self.counters = counters
+
+    def _room(self, s: Session, through: bool) -> int:
+        """How many more of the session's pages the backup queue (and under when_backlog_full = "refuse",
+        the backlog bound) may take now: its slots on their way to the queue count already."""
+        held = len(s.writing) + len(s.copying)
+        room = self.backup.queue_pages - self.backup.pending - held
+        if through and self.cfg.storage.when_backlog_full == "refuse":
+            room = min(room, self.policy.backlog_room(s.ns, s.page_bytes) - held)
+        return room
 
     # Store: alloc -> engine writes the bytes -> commit.
 
@@ -44,14 +64,11 @@ class Stores:
         aborted; a page being read from L3 is no page yet), in one go: the slots of the whole request are
         taken together (a full pool's evictions in one loop). A key this connection is writing already is
         busy: its first write may still be aborted."""
-        self.last_engine_io = time.monotonic()
+        self.activity.touch()
         n = len(keys)
         status, offsets = [ALLOC_PRESENT] * n, [-1] * n
-        through = self.connector is not None and not self.write_back
-        held = len(s.writing) + len(s.copying)
-        room = self.backup.queue_pages - self.backup.pending - held if through else n
-        if through and self.cfg.storage.when_backlog_full == "refuse":
-            room = min(room, self._backlog_room(s) - held)
+        through = self.backend.current is not None and not self.policy.write_back
+        room = self._room(s, through) if through else n
         get = self.index.ns_entries(s.ns).get
         owed: list[Entry] = []
         want: list[int] = []  # positions that get a slot
@@ -81,15 +98,14 @@ class Stores:
                 offsets[i] = entry.offset
             if len(entries) < len(want):
                 self.counters["store.no_space"] += len(want) - len(entries)
-                if self.write_back:
-                    self._pressure.set()
+                self.policy.short()
                 for i in want[len(entries) :]:
                     status[i] = ALLOC_NO_SPACE
         for i, j in again:  # as if asked after its first place: there now, or refused alike
             if status[j] != ALLOC_WRITE:
                 status[i] = status[j]
                 self.counters["store.busy" if status[j] == ALLOC_BUSY else "store.no_space"] += 1
-        if owed and not self.write_back:
+        if owed and not self.policy.write_back:
             self.backup.submit_many(owed)
         return status, offsets
 
@@ -114,9 +130,9 @@ class Stores:
     def _queue_stored(self, pages: list[Entry]) -> None:
         """Pages just stored that are owed to L3: queued now under write-through (the caller gathers a
         request's pages), written on pressure under write-back."""
-        if not self.write_back:
+        if not self.policy.write_back:
             self.backup.submit_many(pages)
-        self._after_stores()
+        self.policy.stored()
 
     def hold_writing(self, s: Session, keys: list[str]) -> list[Entry]:
         """The slots alloc just gave `keys` (all different), taken out of the engine's reach while the daemon
@@ -150,9 +166,9 @@ class Stores:
         """Up to `n` more slots set aside for this connection's stores, within pool.reserve_per_connection
         and, over all connections, pool.reserve_max_fraction of the pool. Evicts like a store would.
         Returns their offsets and how many this connection may hold."""
-        self.last_engine_io = time.monotonic()
+        self.activity.touch()
         slot = slot_size(s.page_bytes)
-        arena = self.arena_of(s.ns)
+        arena = self.index.arena_of(s.ns)
         if arena < 0:
             return [], 0
         every = int(self.cfg.pool.reserve_max_fraction * self.index.allocs[arena].capacity)
@@ -161,8 +177,7 @@ class Stores:
         entries = self.index.reserve(s.ns, s.page_bytes, n) if n > 0 else []
         if len(entries) < n:
             self.counters["store.no_space"] += 1
-            if self.write_back:
-                self._pressure.set()
+            self.policy.short()
         offsets = []
         for entry in entries:
             s.reserved[entry.offset] = entry
@@ -179,14 +194,11 @@ class Stores:
             raise HicachedError(BAD_REQUEST, "put names a slot this connection has not reserved")
         if len(offsets) != len(keys) or len(set(offsets)) != len(offsets):
             raise HicachedError(BAD_REQUEST, "put needs one distinct offset per key")
-        self.last_engine_io = time.monotonic()
-        through = self.connector is not None and not self.write_back
+        self.activity.touch()
+        through = self.backend.current is not None and not self.policy.write_back
         status = []
         backup: list[Entry] = []  # queued together after the loop, and counted against the bound meanwhile
-        held = len(s.writing) + len(s.copying)  # slots of this connection on their way to the queue too
-        room = self.backup.queue_pages - self.backup.pending - held
-        if through and self.cfg.storage.when_backlog_full == "refuse":
-            room = min(room, self._backlog_room(s) - held)
+        room = self._room(s, through)
         owed: list[Entry] = []
         for i, (key, off) in enumerate(zip(keys, offsets, strict=True)):
             entry = self.index.get(s.ns, key)

@@ -1,7 +1,11 @@
 """The tiers: what each request does to L2 (pool + index) and L3 (connector, backup, prefetch).
 
-Engine-facing state lives in a Session per connection (its namespace, leases, slots being written,
-prefetch handles); closing a session releases all of it, whatever the engine did.
+A front over parts built here and handed their dependencies: the pages' lifecycle (hicached.daemon.l2.life),
+stores (stores.Stores), lookups and loads (loads.Loads), what L3 is owed (losses.L3Debt), the write policy
+(writeback.WritePolicy), the backup and the prefetcher, and the tenants' arenas. Sessions, prefetch handles,
+clear, pins and stats are here. Engine-facing state lives in a Session per connection (its namespace,
+leases, slots being written, prefetch handles); closing a session releases all of it, whatever the engine
+did.
 """
 
 from __future__ import annotations
@@ -21,22 +25,21 @@ from hicached.daemon.l2.index import FILLING, READY, Entry, PageRecords
 from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.l2.slabs import SlabAllocator, slot_size
+from hicached.daemon.sched.activity import EngineActivity
 from hicached.daemon.sched.arenas import Arenas
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.backup import Backup
 from hicached.daemon.sched.loads import Loads
-from hicached.daemon.sched.losses import Losses
+from hicached.daemon.sched.losses import L3Debt
 from hicached.daemon.sched.prefetch import Prefetcher
+from hicached.daemon.sched.reports import EveryMinute
 from hicached.daemon.sched.session import Handle, Session
 from hicached.daemon.sched.stores import Stores
-from hicached.daemon.sched.writeback import WriteBack
+from hicached.daemon.sched.writeback import WritePolicy
 
 __all__ = ["CLOSED_SLOT_QUARANTINE_S", "PREFETCH_STEP", "Handle", "Session", "Tiers"]
 
 log = logging.getLogger("hicached.tiers")
-
-_BUSY_WINDOW_S = 0.01  # engines that stored or loaded within this are busy (see backup_concurrency_busy)
-_LOST_LOG_INTERVAL_S = 60.0  # at most one log line about lost pages this often; it says how many since
 
 # The slots a closed connection was writing into, or held ahead for its stores, are reused only this long
 # after: a copy its engine started before it saw the close may still be landing in them.
@@ -46,71 +49,41 @@ CLOSED_SLOT_QUARANTINE_S = 5.0
 # the reads of the first ones start while the rest are placed, instead of after ~8 us a page of placing.
 PREFETCH_STEP = 64
 
-
-# Here rather than in losses.py: it reads this module's clock (time), which the tests drive.
-class _EveryMinute:
-    """A counter of pages that went wrong, logged at once, then at most once a minute: each line says how many
-    came since the previous one (what comes meanwhile is in the next line, written at the next event)."""
-
-    def __init__(self, counters: collections.Counter[str], key: str, level: int) -> None:
-        self.counters, self.key, self.level = counters, key, level
-        self.logged = 0  # the count at the last line
-        self.next = 0.0  # time.monotonic() from which the next line may be written
-
-    def add(self, n: int, message: str) -> None:
-        """Counts `n`; `message` takes the number since the last line, "start" or "the last report", and
-        the total."""
-        self.counters[self.key] += n
-        now = time.monotonic()
-        if now < self.next:
-            return
-        total = self.counters[self.key]
-        since = "the last report" if self.logged else "start"
-        log.log(self.level, message, total - self.logged, since, total)
-        self.logged, self.next = total, now + _LOST_LOG_INTERVAL_S
+_LOST = (
+    "lost %d acknowledged pages since %s: they left L2 before reaching L3 (given up by the backup, or no "
+    "backend attached to write them to); %d in all (backup.lost; `ctl flush` reports them)"
+)
 
 
-class Tiers(Stores, Loads, Losses, WriteBack):
-    """What each request does to L2 and L3. Its state is all set up here; its methods are split by job:
-    stores (stores.Stores), lookups and loads (loads.Loads), what L3 is owed (losses.Losses), the write
-    policy and backlog bound (writeback.WriteBack); sessions, prefetch, clear, pins and stats are here. The
-    tenants' arenas are a helper object of their own (self.arenas: arenas.Arenas). The jobs are classes Tiers
-    derives from, not objects it holds, because they all work on the same state (which a reload, cfg, and
-    the slot headers' attach, headers, replace on this object), and none may import this module."""
+class Tiers:
+    """What each request does to L2 and L3: the parts, and the requests that span them. `cfg` is the
+    configuration in force: a reload sets it, and every part follows."""
 
     def __init__(self, cfg: Config, pool: Pool, connector: Connector | None) -> None:
-        self.cfg = cfg
+        self._cfg = cfg
         self.pool = pool
-        slab = cfg.pool.slab_size
         self.counters: collections.Counter[str] = collections.Counter()
-        self.backend = Backend(cfg, self.counters)
+        self.activity = EngineActivity()
+        # The backend's attach and detach, the index's shortage and the backup's pace are told to parts built
+        # after them, through these methods of the front.
+        self.backend = Backend(cfg, self.counters, on_attach=self._attached, on_detach=self._detached)
         self.backend.current = connector
+        if connector is not None:
+            self.backend.note_location(connector)
+        self.arenas = Arenas(pool, lambda: self.cfg.tenants)
+        self.tenanted = self.arenas.tenanted
         # Every page's state and its moves (see life.py); the index files the pages.
         self.life = PageLife(
-            [SlabAllocator(a.size, slab, a.base, a.index) for a in pool.arenas],
+            [SlabAllocator(a.size, cfg.pool.slab_size, a.base, a.index) for a in pool.arenas],
             pool,
             self.counters,
             attached=lambda: self.backend.current is not None,
-            configured=lambda: self.cfg.storage.backend != "none",  # cfg: a reload replaces it
-            lost=self._lose,
-            arena_of=lambda ns: self.arenas.arena_of(ns),
-            on_short=self._backlog_full,
+            configured=lambda: self.cfg.storage.backend != "none",
+            lost=EveryMinute(self.counters, "backup.lost", logging.ERROR, _LOST).add,
+            arena_of=self.arenas.arena_of,
+            on_short=self._short,
         )
         self.index = self.life.index
-        self.arenas = Arenas(pool, self.index, lambda: self.cfg.tenants)
-        self.tenanted = self.arenas.tenanted
-        if connector is not None:
-            self.backend.note_location(connector)
-        self._l3_epoch = self.backend.epoch  # the store that entries' in_l3 refers to
-        self.backend.on_attach = self._attached
-        self.backend.on_detach = self._detached
-        self.attached = asyncio.Event()  # set while a backend is attached (the warmup waits for one)
-        if connector is not None:
-            self.attached.set()
-        self._lost_flushed = 0  # backup.lost when the previous flush answered
-        self._gone_flushed = 0  # backup.dropped_gone then
-        self._lost_report = _EveryMinute(self.counters, "backup.lost", logging.ERROR)
-        self._dropped_report = _EveryMinute(self.counters, "backup.dropped", logging.WARNING)
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
         self.backup = Backup(
@@ -123,6 +96,8 @@ class Tiers(Stores, Loads, Losses, WriteBack):
             st.backup_batch_bytes,
             st.backup_queue_pages,
             Backoff.from_config(st.retry),
+            allowed=self._backup_calls_allowed,
+            defer=self._backup_defer,
         )
         self.prefetcher = Prefetcher(
             self.life,
@@ -134,11 +109,50 @@ class Tiers(Stores, Loads, Losses, WriteBack):
             st.prefetch_batch_bytes,
             st.prefetch_queue_pages,
         )
-        self._pressure = asyncio.Event()
-        self._writeback_task: asyncio.Task[None] | None = None
-        self.last_engine_io = 0.0  # time.monotonic() of the last store or load
-        self.backup.allowed = self._backup_calls_allowed
-        self.backup.defer = self._backup_defer
+        dropped = EveryMinute(self.counters, "backup.dropped", logging.WARNING)
+        self.policy = WritePolicy(cfg, self.index, self.backup, self.backend, self.activity, dropped)
+        self.debt = L3Debt(self.life, self.backend, self.backup, self.policy, self.counters)
+        self.stores = Stores(
+            cfg, self.life, self.backup, self.backend, self.policy, self.activity, self.counters
+        )
+        self.loads = Loads(cfg, self.index, self.backend, self.prefetcher, self.activity, self.counters)
+        # The requests of each part, as the server and the region service call them.
+        self.alloc = self.stores.alloc
+        self.commit = self.stores.commit
+        self.abort = self.stores.abort
+        self.reserve = self.stores.reserve
+        self.put = self.stores.put
+        self.hold_writing = self.stores.hold_writing
+        self.commit_held = self.stores.commit_held
+        self.abort_held = self.stores.abort_held
+        self.exists_l2 = self.loads.exists_l2
+        self.exists = self.loads.exists
+        self.present = self.loads.present
+        self.all_ready = self.loads.all_ready
+        self.acquire_ready = self.loads.acquire_ready
+        self.acquire = self.loads.acquire
+        self.release = self.loads.release
+        self.hold_lease = self.loads.hold_lease
+        self.release_held = self.loads.release_held
+        self.flush = self.debt.flush
+        self.flush_dirty = self.debt.flush_dirty
+        self.not_in_l3 = self.debt.not_in_l3
+        self.set_policy = self.policy.set_policy
+        self.attached = self.debt.attached  # set while a backend is attached (the warmup waits for one)
+
+    @property
+    def cfg(self) -> Config:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: Config) -> None:
+        """A reload's configuration, for every part."""
+        self._cfg = cfg
+        self.policy.cfg = self.stores.cfg = self.loads.cfg = cfg
+
+    @property
+    def write_back(self) -> bool:
+        return self.policy.write_back
 
     @property
     def pinned_bytes(self) -> int:
@@ -149,13 +163,30 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         """Acknowledged pages owed to L3 while no backend is attached (life.PageLife.stranded)."""
         return self.life.stranded
 
+    @property
+    def connector(self) -> Connector | None:
+        return self.backend.current
+
     def observe(self, records: PageRecords | None) -> None:
         """The slot headers a crash rebuilds L2 from hear of every page made ready, written to L3 or gone."""
         self.life.observe(records)
 
-    @property
-    def connector(self) -> Connector | None:
-        return self.backend.current
+    # What the parts built first tell those built after them.
+
+    def _attached(self, connector: Connector) -> None:
+        self.debt.backend_attached(connector)
+
+    def _detached(self) -> None:
+        self.debt.backend_detached()
+
+    def _short(self, nbytes: int, arena: int) -> int:
+        return self.policy.backlog_full(nbytes, arena)
+
+    def _backup_calls_allowed(self) -> int:
+        return self.policy.calls_allowed()
+
+    def _backup_defer(self) -> float:
+        return self.policy.defer()
 
     # Tenants' arenas: hicached.daemon.sched.arenas.Arenas.
 
@@ -166,10 +197,10 @@ class Tiers(Stores, Loads, Losses, WriteBack):
         return self.arenas.arena_of(ns)
 
     def tenant_stats(self, tenant: str) -> dict[str, Any]:
-        return self.arenas.tenant_stats(tenant, self.namespaces, self.life.arena_pinned)
+        return self.arenas.tenant_stats(self.index, tenant, self.namespaces, self.life.arena_pinned)
 
     def retenant(self) -> int:
-        return self.arenas.retenant(self.namespaces)
+        return self.arenas.retenant(self.index, self.namespaces)
 
     def engine_offsets(self, s: Session, offsets: list[int]) -> list[int]:
         return self.arenas.engine_offsets(s, offsets)
@@ -177,21 +208,14 @@ class Tiers(Stores, Loads, Losses, WriteBack):
     def pool_offsets(self, s: Session, offsets: list[Any]) -> list[Any]:
         return self.arenas.pool_offsets(s, offsets)
 
-    def _through_while_busy(self) -> bool:
-        """Write-through, with an engine that stored or loaded within the busy window."""
-        return not self.write_back and time.monotonic() - self.last_engine_io <= _BUSY_WINDOW_S
-
     def start(self) -> None:
         self.backend.start()
         self.backup.start()
         self.prefetcher.start()
-        if self.write_back:
-            self._writeback_task = asyncio.create_task(self._writeback_loop(), name="writeback")
+        self.policy.start()
 
     async def stop(self) -> None:
-        if self._writeback_task is not None:
-            self._writeback_task.cancel()
-            await asyncio.gather(self._writeback_task, return_exceptions=True)
+        await self.policy.stop()
         await self.prefetcher.stop()
         await self.backup.stop()
         await self.backend.stop()
@@ -274,7 +298,7 @@ class Tiers(Stores, Loads, Losses, WriteBack):
             self._placed(h)
             return
         step = keys[start : start + PREFETCH_STEP]
-        entries = self._leading_l2(ns, step)
+        entries = self.loads.leading_l2(ns, step)
         self.index.lease_all(entries)
         self.prefetcher.merge(entries)
         if len(entries) < len(step):
@@ -322,8 +346,8 @@ class Tiers(Stores, Loads, Losses, WriteBack):
                 timeout = pf.timeout_base + pf.timeout_per_page * filling
         timeout = min(timeout, self.cfg.server.request_timeout)
         try:
-            await self._settle(h.entries, timeout)
-            return self._leading_ready(h.entries)
+            await self.loads.settle(h.entries, timeout)
+            return self.loads.leading_ready(h.entries)
         finally:
             if s.handles.pop(handle, None) is not None:
                 self.index.unlease_all(h.entries)

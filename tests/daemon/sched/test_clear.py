@@ -5,9 +5,11 @@ L3 that overlaps the clear turned into a miss."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 from hicached.connectors.file import FileConnector
 from tiers_rig import PAGE, cfg_for, close_tiers, make_tiers, session, write
+from waits import wait_until
 
 from hicached.daemon.sched.tiers import Tiers
 
@@ -66,7 +68,10 @@ async def test_a_page_being_loaded_goes_once_its_lease_ends(tmp_path):
         assert await t.backup.drain(10)
         lease, offsets = await t.acquire(reader, KEYS[:1], fetch=False)
         clearing = asyncio.create_task(t.clear(s))
-        await asyncio.sleep(0.05)
+        await wait_until(
+            lambda: inspect.getcoroutinestate(clearing.get_coro()) != inspect.CORO_CREATED,
+            what="the clear to start",
+        )
         # The others are gone at once; the leased one stays, bytes intact, while the engine copies it.
         assert not clearing.done() and list(t.index.ns_entries("ns1")) == KEYS[:1]
         assert bytes(t.pool.view[offsets[0] : offsets[0] + PAGE]) == bytes([5]) * PAGE
@@ -121,7 +126,11 @@ async def test_a_read_from_l3_that_overlaps_a_clear_is_a_miss(tmp_path):
         loading = asyncio.create_task(t.acquire(s, KEYS, fetch=True))
         await asyncio.wait_for(conn.reading.wait(), 5)  # the bytes are read: the old pages
         clearing = asyncio.create_task(t.clear(s))
-        await asyncio.sleep(0.05)
+        # Under way (waiting for the pages being read) before the read ends: the two overlap.
+        await wait_until(
+            lambda: inspect.getcoroutinestate(clearing.get_coro()) != inspect.CORO_CREATED,
+            what="the clear to start",
+        )
         conn.gate.set()
         assert await asyncio.wait_for(loading, 5) == (0, [])  # dropped: read before the clear deleted them
         assert (await asyncio.wait_for(clearing, 5))["l3"] == 12

@@ -12,7 +12,7 @@ from hicached.connectors.file import FileConnector
 from tiers_rig import PAGE, close_tiers, session
 
 from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, PUT_PRESENT
-from hicached.daemon.sched import tiers as tiers_mod
+from hicached.daemon.sched import reports as reports_mod
 from hicached.daemon.sched.tiers import Session, Tiers
 
 BAD = "lost.ns"  # the namespace whose pages the connector refuses
@@ -203,7 +203,7 @@ async def test_losses_are_logged_at_most_once_a_minute_with_the_figure(tmp_path,
         def monotonic() -> float:
             return clock[0]
 
-    monkeypatch.setattr(tiers_mod, "time", Time)
+    monkeypatch.setattr(reports_mod, "time", Time)
     t = await make_tiers(tmp_path, None)  # storage.backend = "file", none attached: stores are owed to it
     try:
         s = session(t, "ns1")

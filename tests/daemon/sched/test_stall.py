@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from hicached.connectors.base import BackendUnavailable
 from hicached.connectors.file import FileConnector
 from tiers_rig import cfg_for, close_tiers, make_tiers, session, write
+from waits import wait_until
 
 from hicached import config
 from hicached.daemon.sched.backend import Backend
@@ -74,9 +75,7 @@ async def stalling_tiers(tmp_path, **storage) -> tuple[Tiers, StallingFile]:
 async def until(cond, timeout: float = 10.0) -> float:
     """Waits for `cond()`; the seconds it took."""
     start = time.monotonic()
-    while not cond():
-        assert time.monotonic() - start < timeout, "condition not met in time"
-        await asyncio.sleep(0.01)
+    await wait_until(cond, timeout)
     return time.monotonic() - start
 
 
@@ -169,7 +168,7 @@ async def test_calls_far_slower_than_usual_count_as_failures_and_one_that_ends_r
         await b.call("put", lambda c: asyncio.sleep(0.002))
     gates = [asyncio.Event() for _ in range(3)]
     calls = [asyncio.create_task(b.call("put", lambda c, g=g: g.wait())) for g in gates]
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: all(task in b._calls for task in calls), what="the three calls to be in flight")
     # One slow call counts once, however often it is looked at; a call that ends resets the count.
     now = time.monotonic()
     b._calls[calls[0]].start = now - 5

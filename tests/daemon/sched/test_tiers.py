@@ -9,6 +9,7 @@ import pytest
 from hicached.connectors.base import BackendUnavailable
 from hicached.connectors.file import FileConnector
 from tiers_rig import PAGE, cfg_for, close_tiers, make_tiers, session, write
+from waits import wait_until
 
 from hicached.common.errors import HicachedError
 from hicached.common.protocol import (
@@ -282,10 +283,9 @@ async def test_reserved_slots_are_bounded_bound_by_put_and_given_back(tmp_path, 
         assert s1.reserved == {} and t.index.stats()["reserved"] == 0
         # Not reused at once: a copy the engine started before it saw the close may still be landing.
         assert t.index.stats()["used_bytes"] == used
-        for _ in range(3000):
-            if t.index.stats()["used_bytes"] < used:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: t.index.stats()["used_bytes"] < used, timeout=30, what="the quarantined slots to be freed"
+        )
         assert t.index.stats()["used_bytes"] == used - 9 * PAGE
         assert await t.backup.drain(10)  # backed up like any store
         assert await t.exists(session(t), keys) == 7
@@ -304,10 +304,10 @@ async def test_write_back_keeps_pages_dirty_until_pressure(tmp_path):
         for i in range(0, n, 8):
             results += write(t, s, keys[i : i + 8])
             await asyncio.sleep(0)
-        for _ in range(3000):  # bounds are generous: CI machines are shared and slow at times
-            if t.counters["backup.pages"] > 0:
-                break
-            await asyncio.sleep(0.01)
+        # The bound is generous: CI machines are shared and slow at times.
+        await wait_until(
+            lambda: t.counters["backup.pages"] > 0, timeout=30, what="pressure to write pages out"
+        )
         assert t.counters["backup.pages"] > 0
         assert await t.flush_dirty(10)
         assert t.index.stats()["dirty"] == 0
@@ -464,7 +464,7 @@ async def test_write_through_backups_yield_to_busy_engines(tmp_path, busy, monke
         # Engines that keep storing: their last store stays within the busy window for the whole test.
         # (A task touching the clock every millisecond was not enough on a loaded machine, where the loop
         # can be held off for longer than the 10 ms window.)
-        monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 3600.0)
+        t.activity.window_s = 3600.0
     try:
         s = session(t)
         write(t, s, [f"y{i}" for i in range(24)])  # a store: sets the clock the backups watch
@@ -507,15 +507,15 @@ async def test_a_prefetch_left_while_being_placed_leaks_nothing(tmp_path, how):
         keys = [f"q{i}" for i in range(3 * PREFETCH_STEP // 2)]
         await _in_l3_only(t, s, keys)
         handle = t.prefetch(s, keys, 0)
+        h = s.handles[handle]
+        assert h.placed is not None  # the rest is placed on a later turn
         if how == "best_effort":
             assert await t.wait(s, handle, 0) <= PREFETCH_STEP  # answered at once, from what was placed
         else:
             t.close_session(s)
-        await asyncio.sleep(0.05)  # the next step runs, sees the handle gone, and stops
-        for _ in range(3000):
-            if not t.prefetcher.pending:
-                break
-            await asyncio.sleep(0.01)
+        # The next step runs, sees the handle gone, and stops (or, wrongly, places the rest: placing ends).
+        await wait_until(h.placed.done, what="the prefetch's next step")
+        await wait_until(lambda: not t.prefetcher.pending, timeout=30, what="the reads queued to end")
         assert t.index.stats()["leased"] == 0
         assert t.counters["prefetch.pages"] <= PREFETCH_STEP  # nothing placed after the handle went
     finally:
@@ -648,17 +648,17 @@ async def test_write_through_backups_wait_for_busy_engines_to_pause(tmp_path, mo
     conn = SlowFile(cfg_for(tmp_path, **storage))
     await conn.start()
     t = await make_tiers(tmp_path, connector=conn, **storage)
-    monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 3600.0)  # engines that keep storing
+    t.activity.window_s = 3600.0  # engines that keep storing
     try:
         s = session(t)
         write(t, s, [f"d{i}" for i in range(12)])
         assert not await t.backup.drain(0.3)
         assert t.counters["backup.pages"] == 0 and t.index.stats()["dirty"] == 12
-        monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 0.0)  # they paused
+        t.activity.window_s = 0.0  # they paused
         assert await t.backup.drain(10)
         assert t.counters["backup.pages"] == 12 and t.index.stats()["dirty"] == 0
         # A bound of 0: written at once, busy engines or not (backup_concurrency_busy calls at a time).
-        monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 3600.0)
+        t.activity.window_s = 3600.0
         t.cfg.storage.backup_defer = 0.0
         conn.most = 0
         write(t, s, [f"e{i}" for i in range(12)])
@@ -671,7 +671,7 @@ async def test_write_through_backups_wait_for_busy_engines_to_pause(tmp_path, mo
 async def test_deferred_backups_still_run_once_their_bound_passes(tmp_path, monkeypatch):
     storage = {"backup_defer": "200ms"}
     t = await make_tiers(tmp_path, **storage)
-    monkeypatch.setattr(tiers_mod, "_BUSY_WINDOW_S", 3600.0)  # engines never pause
+    t.activity.window_s = 3600.0  # engines never pause
     try:
         s = session(t)
         write(t, s, [f"b{i}" for i in range(8)])
@@ -821,10 +821,11 @@ async def test_swap_to_another_store_forgets_what_the_old_store_held(tmp_path):
 
 async def test_backup_in_flight_to_a_swapped_out_store_is_written_to_the_new_one(tmp_path):
     cfg = cfg_for(tmp_path)
-    gate = asyncio.Event()
+    gate, putting = asyncio.Event(), asyncio.Event()
 
     class Slow(FileConnector):
         async def put(self, namespace, keys, payloads, checksums=None, hold=None):
+            putting.set()
             await gate.wait()
             return await super().put(namespace, keys, payloads, checksums, hold)
 
@@ -832,10 +833,10 @@ async def test_backup_in_flight_to_a_swapped_out_store_is_written_to_the_new_one
     try:
         s = session(t)
         write(t, s, ["x"])
-        await asyncio.sleep(0.05)  # the put is in flight on the old store
+        await wait_until(putting.is_set, what="the put to be in flight on the old store")
         new = await other_store(tmp_path)
         swap = asyncio.create_task(t.backend.attach(new, probe=False))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: t.connector is new, what="the swap to the new store")
         gate.set()
         await swap
         assert await t.backup.drain(10)
@@ -845,10 +846,11 @@ async def test_backup_in_flight_to_a_swapped_out_store_is_written_to_the_new_one
 
 
 async def test_prefetch_from_a_swapped_out_store_is_not_taken_for_in_the_new_one(tmp_path):
-    gate = asyncio.Event()
+    gate, reading = asyncio.Event(), asyncio.Event()
 
     class Slow(FileConnector):
         async def get_into(self, namespace, keys, buffers, hold=None):
+            reading.set()
             await gate.wait()
             return await super().get_into(namespace, keys, buffers, hold)
 
@@ -859,10 +861,10 @@ async def test_prefetch_from_a_swapped_out_store_is_not_taken_for_in_the_new_one
         assert await t.backup.drain(10)
         t.index.remove(t.index.get("ns1", "x"))  # in the old store only
         h = t.prefetch(s, ["x"], 0)
-        await asyncio.sleep(0.05)  # the read is in flight on the old store
+        await wait_until(reading.is_set, what="the read to be in flight on the old store")
         new = await other_store(tmp_path)
         swap = asyncio.create_task(t.backend.attach(new, probe=False))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: t.connector is new, what="the swap to the new store")
         gate.set()
         await swap
         assert await t.wait(s, h, 5) == 1  # good bytes from the old store...

@@ -5,6 +5,7 @@ import socket
 
 import msgpack
 import pytest
+from waits import wait_until
 
 from hicached import config
 from hicached.daemon.sched.warmup import WarmPage, load, save
@@ -78,11 +79,7 @@ async def stop(d: Daemon) -> None:
 
 
 async def until(cond, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
+    await wait_until(cond, timeout)
 
 
 async def fill(d: Daemon, ns: str, keys: list[str], page_bytes: int = 4096) -> None:
@@ -134,7 +131,9 @@ async def test_warmup_waits_for_a_backend_that_is_late_at_start(tmp_path):
     d = await start(path)
     try:
         assert d.tiers.backend.state == "starting"
-        await asyncio.sleep(0.3)  # snapshots run meanwhile
+        listed = tmp_path / "state" / "warm.msgpack"
+        mtime = listed.stat().st_mtime_ns
+        await until(lambda: listed.stat().st_mtime_ns != mtime)  # a snapshot (100 ms) wrote the list again
         assert {p.key for p in load(str(tmp_path / "state" / "warm.msgpack"))} == set(KEYS)
         os.unlink(tmp_path / "store")
         os.symlink("pages", tmp_path / "store")
@@ -193,9 +192,11 @@ async def test_reload_starts_and_stops_the_warm_list_snapshots(tmp_path):
         await until(warm_list.exists)
         write_config(tmp_path, enabled="true", snapshot_interval="0")
         assert (await d.reload())["applied"] == ["warmup.snapshot_interval"]
-        await asyncio.sleep(0.15)
+        # A snapshot that was writing the list when the reload stopped them ends its write (warmup.save: a
+        # temporary file renamed over the list); no other may start.
+        await until(lambda: not any(warm_list.parent.glob(".warm.*")))
         mtime = warm_list.stat().st_mtime_ns
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # three snapshot intervals: none writes the list
         assert warm_list.stat().st_mtime_ns == mtime
     finally:
         await stop(d)
