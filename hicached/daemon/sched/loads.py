@@ -1,11 +1,12 @@
-"""Lookups and loads: which keys L2 or L3 hold, and leases on the pages an engine copies out (reading them
-from L3 first if asked)."""
+"""Lookups, loads and prefetches: which keys L2 or L3 hold, and leases on the pages an engine copies out
+(reading them from L3 first if asked, or ahead of need: a prefetch handle waited on later)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Coroutine
+import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from hicached.common.errors import NOT_FOUND, HicachedError
@@ -15,9 +16,15 @@ from hicached.daemon.l2.index import FILLING, READY, Entry, PageIndex
 from hicached.daemon.sched.activity import EngineActivity
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.prefetch import Prefetcher
-from hicached.daemon.sched.session import Session
+from hicached.daemon.sched.session import Handle, Session
+
+log = logging.getLogger("hicached.tiers")
 
 LOAD_PRIORITY = 1 << 30  # reads an engine is blocked on go before any prefetch
+
+# A prefetch places this many keys (finds or allocates their slots, evicting) per turn of the event loop:
+# the reads of the first ones start while the rest are placed, instead of after ~8 us a page of placing.
+PREFETCH_STEP = 64
 
 
 class Loads:
@@ -160,6 +167,91 @@ class Loads:
         lease = next(s.ids)
         s.leases[lease] = entries[:n]
         return lease, [e.offset for e in entries[:n]]
+
+    # Prefetch handles: placed a step a turn of the loop, then waited on.
+
+    def prefetch(self, s: Session, keys: list[str], priority: int) -> int:
+        if len(s.handles) >= self.cfg.server.max_prefetch_handles_per_connection:
+            raise HicachedError(
+                "busy", "too many prefetch handles not waited on (server.max_prefetch_handles_per_connection)"
+            )
+        handle = next(s.ids)
+        h = s.handles[handle] = Handle([])
+        self._place(s, s.ns, s.page_bytes, handle, h, keys, 0, priority, self.prefetcher.request())
+        return handle
+
+    def _place(
+        self,
+        s: Session,
+        ns: str,
+        page_bytes: int,
+        handle: int,
+        h: Handle,
+        keys: list[str],
+        start: int,
+        priority: int,
+        req,
+    ) -> None:
+        """Places keys[start:start + PREFETCH_STEP] of a prefetch (L2 hits leased, misses queued for
+        reading), and the next step on the next turn of the loop, until a key cannot be placed. Every step
+        is of the namespace the prefetch was asked in (`ns`), whatever hello the connection sent since."""
+        if s.handles.get(handle) is not h:  # waited on already, or its connection closed
+            self._placed(h)
+            return
+        step = keys[start : start + PREFETCH_STEP]
+        entries = self.leading_l2(ns, step)
+        self.index.lease_all(entries)
+        self.prefetcher.merge(entries)
+        if len(entries) < len(step):
+            entries += self.prefetcher.fetch(
+                ns, step[len(entries) :], page_bytes, priority, req, start + len(entries), lease=True
+            )
+        h.entries += entries
+        nxt = start + len(step)
+        if len(entries) == len(step) and nxt < len(keys) and req.hole > nxt:
+            loop = asyncio.get_running_loop()
+            if h.placed is None:
+                h.placed = loop.create_future()
+            place = lambda: self._place(s, ns, page_bytes, handle, h, keys, nxt, priority, req)  # noqa: E731
+            loop.call_soon(self._place_next, h, place)
+        else:
+            self._placed(h)
+
+    def _place_next(self, h: Handle, place: Callable[[], None]) -> None:
+        try:
+            place()
+        except Exception:  # a bug: the handle keeps what was placed, and wait() must not hang on the rest
+            log.exception("placing the keys of a prefetch failed; it stops at %d pages", len(h.entries))
+            self._placed(h)
+
+    @staticmethod
+    def _placed(h: Handle) -> None:
+        if h.placed is not None and not h.placed.done():
+            h.placed.set_result(None)
+
+    async def wait(self, s: Session, handle: int, timeout: float | None) -> int:
+        h = s.handles.get(handle)
+        if h is None:
+            raise HicachedError(NOT_FOUND, f"no prefetch handle {handle} on this connection")
+        pf = self.cfg.storage.prefetch
+        if h.placed is not None and not h.placed.done() and timeout != 0 and pf.policy != "best_effort":
+            # Placing is quick (a few ms for thousands of pages); the policy's clock starts after it.
+            await asyncio.wait({h.placed}, timeout=self.cfg.server.request_timeout)
+        if timeout is None:
+            if pf.policy == "best_effort":
+                timeout = 0.0
+            elif pf.policy == "wait_complete":
+                timeout = self.cfg.server.request_timeout
+            else:
+                filling = sum(1 for e in h.entries if e.state == FILLING)
+                timeout = pf.timeout_base + pf.timeout_per_page * filling
+        timeout = min(timeout, self.cfg.server.request_timeout)
+        try:
+            await self.settle(h.entries, timeout)
+            return self.leading_ready(h.entries)
+        finally:
+            if s.handles.pop(handle, None) is not None:
+                self.index.unlease_all(h.entries)
 
     def hold_lease(self, s: Session, lease: int) -> None:
         """Takes lease `lease` (just granted by acquire) out of the engine's reach while the daemon copies

@@ -14,14 +14,13 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-from hicached.common.errors import BAD_REQUEST, NOT_FOUND, HicachedError
+from hicached.common.errors import BAD_REQUEST, HicachedError
 from hicached.common.retry import Backoff
 from hicached.config import Config
 from hicached.connectors.base import BackendError, Connector
-from hicached.daemon.l2.index import FILLING, READY, Entry, PageRecords
+from hicached.daemon.l2.index import READY, Entry, PageRecords
 from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.l2.slabs import SlabAllocator, slot_size
@@ -37,17 +36,13 @@ from hicached.daemon.sched.session import Handle, Session
 from hicached.daemon.sched.stores import Stores
 from hicached.daemon.sched.writeback import WritePolicy
 
-__all__ = ["CLOSED_SLOT_QUARANTINE_S", "PREFETCH_STEP", "Handle", "Session", "Tiers"]
+__all__ = ["CLOSED_SLOT_QUARANTINE_S", "Handle", "Session", "Tiers"]
 
 log = logging.getLogger("hicached.tiers")
 
 # The slots a closed connection was writing into, or held ahead for its stores, are reused only this long
 # after: a copy its engine started before it saw the close may still be landing in them.
 CLOSED_SLOT_QUARANTINE_S = 5.0
-
-# A prefetch places this many keys (finds or allocates their slots, evicting) per turn of the event loop:
-# the reads of the first ones start while the rest are placed, instead of after ~8 us a page of placing.
-PREFETCH_STEP = 64
 
 _LOST = (
     "lost %d acknowledged pages since %s: they left L2 before reaching L3 (given up by the backup, or no "
@@ -133,6 +128,8 @@ class Tiers:
         self.acquire = self.loads.acquire
         self.release = self.loads.release
         self.hold_lease = self.loads.hold_lease
+        self.prefetch = self.loads.prefetch
+        self.wait = self.loads.wait
         self.release_held = self.loads.release_held
         self.flush = self.debt.flush
         self.flush_dirty = self.debt.flush_dirty
@@ -266,91 +263,6 @@ class Tiers:
         s.handles.clear()
         self._abandon_writing(s)
         self._unreserve(s)
-
-    # Prefetch.
-
-    def prefetch(self, s: Session, keys: list[str], priority: int) -> int:
-        if len(s.handles) >= self.cfg.server.max_prefetch_handles_per_connection:
-            raise HicachedError(
-                "busy", "too many prefetch handles not waited on (server.max_prefetch_handles_per_connection)"
-            )
-        handle = next(s.ids)
-        h = s.handles[handle] = Handle([])
-        self._place(s, s.ns, s.page_bytes, handle, h, keys, 0, priority, self.prefetcher.request())
-        return handle
-
-    def _place(
-        self,
-        s: Session,
-        ns: str,
-        page_bytes: int,
-        handle: int,
-        h: Handle,
-        keys: list[str],
-        start: int,
-        priority: int,
-        req,
-    ) -> None:
-        """Places keys[start:start + PREFETCH_STEP] of a prefetch (L2 hits leased, misses queued for
-        reading), and the next step on the next turn of the loop, until a key cannot be placed. Every step
-        is of the namespace the prefetch was asked in (`ns`), whatever hello the connection sent since."""
-        if s.handles.get(handle) is not h:  # waited on already, or its connection closed
-            self._placed(h)
-            return
-        step = keys[start : start + PREFETCH_STEP]
-        entries = self.loads.leading_l2(ns, step)
-        self.index.lease_all(entries)
-        self.prefetcher.merge(entries)
-        if len(entries) < len(step):
-            entries += self.prefetcher.fetch(
-                ns, step[len(entries) :], page_bytes, priority, req, start + len(entries), lease=True
-            )
-        h.entries += entries
-        nxt = start + len(step)
-        if len(entries) == len(step) and nxt < len(keys) and req.hole > nxt:
-            loop = asyncio.get_running_loop()
-            if h.placed is None:
-                h.placed = loop.create_future()
-            place = lambda: self._place(s, ns, page_bytes, handle, h, keys, nxt, priority, req)  # noqa: E731
-            loop.call_soon(self._place_next, h, place)
-        else:
-            self._placed(h)
-
-    def _place_next(self, h: Handle, place: Callable[[], None]) -> None:
-        try:
-            place()
-        except Exception:  # a bug: the handle keeps what was placed, and wait() must not hang on the rest
-            log.exception("placing the keys of a prefetch failed; it stops at %d pages", len(h.entries))
-            self._placed(h)
-
-    @staticmethod
-    def _placed(h: Handle) -> None:
-        if h.placed is not None and not h.placed.done():
-            h.placed.set_result(None)
-
-    async def wait(self, s: Session, handle: int, timeout: float | None) -> int:
-        h = s.handles.get(handle)
-        if h is None:
-            raise HicachedError(NOT_FOUND, f"no prefetch handle {handle} on this connection")
-        pf = self.cfg.storage.prefetch
-        if h.placed is not None and not h.placed.done() and timeout != 0 and pf.policy != "best_effort":
-            # Placing is quick (a few ms for thousands of pages); the policy's clock starts after it.
-            await asyncio.wait({h.placed}, timeout=self.cfg.server.request_timeout)
-        if timeout is None:
-            if pf.policy == "best_effort":
-                timeout = 0.0
-            elif pf.policy == "wait_complete":
-                timeout = self.cfg.server.request_timeout
-            else:
-                filling = sum(1 for e in h.entries if e.state == FILLING)
-                timeout = pf.timeout_base + pf.timeout_per_page * filling
-        timeout = min(timeout, self.cfg.server.request_timeout)
-        try:
-            await self.loads.settle(h.entries, timeout)
-            return self.loads.leading_ready(h.entries)
-        finally:
-            if s.handles.pop(handle, None) is not None:
-                self.index.unlease_all(h.entries)
 
     # Clear.
 

@@ -1,8 +1,11 @@
 """Model-based random test of hicached's L2 core (pool + slabs + page index + tiers), in-process.
 
 Drives a Tiers with several sessions, namespaces and page sizes over a tiny pool (constant eviction and slab
-moves) through random sequences of engine operations, with an L3 connector that is deterministic (in
-memory, faults injected) or the real file connector, and checks the invariants after every step.
+moves) through random sequences of engine operations (alloc/commit, put, store_pages, loads, prefetches, pins)
+and of faults (backup and read failures and time-outs, L3 objects deleted or corrupted behind the daemon,
+sessions closed mid-write, swaps, write-policy flips, flushes, restarts), with an L3 connector that is
+deterministic (in memory, faults injected) or the real file connector, and checks the invariants after every
+step.
 
 Invariants checked after every step: every slot of every slab is free or held by exactly one entry (live,
 reserved by one session, or quarantined), none overlap, class counts agree; leases equal what the sessions,
@@ -52,6 +55,7 @@ from hicached.common.protocol import ALLOC_PRESENT, ALLOC_WRITE, PUT_PRESENT, PU
 from hicached.daemon.l2 import index as index_mod
 from hicached.daemon.l2.index import FILLING, QUARANTINED, READY, SUPERSEDED, WRITING
 from hicached.daemon.l2.pool import Pool
+from hicached.daemon.sched import loads as loads_mod
 from hicached.daemon.sched import tiers as tiers_mod
 from hicached.daemon.sched.tiers import Session, Tiers
 
@@ -309,7 +313,24 @@ class Harness:
         if conn is not None:
             await conn.start()
         self.acked_store = conn
-        t = self.t = Tiers(cfg, pool, conn)
+        import hicached.daemon.sched.backup as backup_mod
+
+        h = self
+
+        class _Log:
+            def __getattr__(self, name):
+                return getattr(backup_mod.logging.getLogger("hicached.backup"), name)
+
+            def error(self, *a, **k):
+                h.gave_up = True
+                backup_mod.logging.getLogger("hicached.backup").error(*a, **k)
+
+        backup_mod.log = _Log()
+        self.build(pool, conn)
+
+    def build(self, pool: Pool, conn) -> None:
+        """A daemon's tiers over `pool` and the store `conn`, watched, with new sessions."""
+        t = self.t = Tiers(self.cfg, pool, conn)
         t.start()
         orig_write = t.backup._write
         bl = self.backup_leases
@@ -326,19 +347,6 @@ class Harness:
                         del bl[e]
 
         t.backup._write = write
-        import hicached.daemon.sched.backup as backup_mod
-
-        h = self
-
-        class _Log:
-            def __getattr__(self, name):
-                return getattr(backup_mod.logging.getLogger("hicached.backup"), name)
-
-            def error(self, *a, **k):
-                h.gave_up = True
-                backup_mod.logging.getLogger("hicached.backup").error(*a, **k)
-
-        backup_mod.log = _Log()
         orig_removed = t.index.on_remove
 
         def removed(entries):
@@ -437,6 +445,7 @@ class Harness:
         ops = [
             ("alloc", 6),
             ("store", 12),
+            ("store_pages", 4),
             ("write", 10),
             ("commit", 8),
             ("abort", 2),
@@ -459,7 +468,7 @@ class Harness:
             ("deliver", 8),
         ]
         if self.mode.startswith("mem"):
-            ops += [("swap", 1), ("faults", 1), ("policy", 1), ("flush", 1), ("l3_gone", 2)]
+            ops += [("swap", 1), ("faults", 1), ("policy", 1), ("flush", 1), ("l3_gone", 2), ("restart", 1)]
         name = r.choices([o for o, _ in ops], [w for _, w in ops])[0]
         tag = f"s{si}:{name}"
         if name == "alloc":
@@ -489,6 +498,20 @@ class Harness:
             self.ack(sm, done + [k for k, st in zip(ks, status, strict=True) if st == ALLOC_PRESENT])
             if not all(ok):
                 self.violation("commit of fresh slots refused")
+            self.log.append(f"{tag} {[k[:4] for k in ks]} -> {status}")
+        elif name == "store_pages":  # the daemon copies from a region: slots held, copied, committed
+            ks = self.keys()
+            status, offsets = t.alloc(s, ks)
+            mine = [(k, off) for k, st, off in zip(ks, status, offsets, strict=True) if st == ALLOC_WRITE]
+            held = t.hold_writing(s, [k for k, _ in mine])
+            if r.random() < 0.15:  # the copy failed: the request fails whole, nothing acknowledged
+                t.abort_held(s, held)
+                self.log.append(f"{tag} {[k[:4] for k in ks]} -> {status}, copy failed")
+                return
+            for k, off in mine:
+                t.pool.view[off : off + sm.pb] = pattern(sm.ns, k, sm.pb)
+            t.commit_held(s, held)
+            self.ack(sm, [k for k, st in zip(ks, status, strict=True) if st in (ALLOC_WRITE, ALLOC_PRESENT)])
             self.log.append(f"{tag} {[k[:4] for k in ks]} -> {status}")
         elif name == "write":
             for k, w in sm.writing.items():
@@ -663,6 +686,27 @@ class Harness:
         elif name == "late":
             self.do_late(0.5)
             self.log.append("late")
+        elif name == "restart":  # a stop (its flush), then a new daemon on the same L3 with an empty L2
+            answer = await self.inline(t.flush(5.0))
+            for other in self.sessions:
+                for _, task, _ in other.tasks:
+                    task.cancel()
+                await self.reap(other, final=True)
+                t.close_session(other.s)
+            await t.stop()
+            conn = t.connector
+            if answer["flushed"] and conn is self.acked_store:
+                for k in self.acked:
+                    if not self.in_store(k):
+                        self.violation(f"a stop flushed; acknowledged {k[0]}/{k[1][:8]} is not in L3")
+            # What a stop could not write goes with L2, reported by its flush (flushed: false).
+            self.acked = {k for k in self.acked if self.in_store(k)}
+            self.late, self.lingering = [], []
+            self.pinned.clear()
+            self.backup_leases.clear()
+            self.lost_flushed = 0
+            self.build(Pool(self.cfg.pool.capacity, prefault=False), conn)
+            self.log.append(f"restart after {answer}")
         elif name == "l3_gone":  # objects leave L3 behind the daemon: a janitor, Redis eviction, another node
             store = t.connector
             if not isinstance(store, MemStore):
@@ -1017,9 +1061,9 @@ def run_one(
     """None if every step kept the invariants; else what broke, with the last operations."""
     import hicached.daemon.sched.backup as backup_mod
 
-    saved = tiers_mod.PREFETCH_STEP, backup_mod.log
+    saved = loads_mod.PREFETCH_STEP, backup_mod.log
     if step_patch is not None:
-        tiers_mod.PREFETCH_STEP = step_patch  # prefetches placed over several turns of the loop
+        loads_mod.PREFETCH_STEP = step_patch  # prefetches placed over several turns of the loop
     with tempfile.TemporaryDirectory() as tmp:
         h = Harness(seed, mode, steps, tmp, verbose)
         try:
@@ -1035,7 +1079,7 @@ def run_one(
                 + ("\n  last ops:\n    " + "\n    ".join(h.log[-25:]))
             )
         finally:
-            tiers_mod.PREFETCH_STEP, backup_mod.log = saved
+            loads_mod.PREFETCH_STEP, backup_mod.log = saved
     return None
 
 

@@ -22,8 +22,10 @@ from hicached.common.protocol import (
     PUT_STORED,
 )
 from hicached.daemon.l2.index import READY
+from hicached.daemon.sched import loads as loads_mod
 from hicached.daemon.sched import tiers as tiers_mod
-from hicached.daemon.sched.tiers import PREFETCH_STEP, Session, Tiers
+from hicached.daemon.sched.loads import PREFETCH_STEP
+from hicached.daemon.sched.tiers import Session, Tiers
 
 
 class FlakyFile(FileConnector):
@@ -750,7 +752,7 @@ async def test_requests_taken_before_a_hello_answer_for_their_own_namespace(tmp_
 
 
 async def test_prefetch_steps_after_a_hello_stay_in_the_prefetchs_namespace(tmp_path, monkeypatch):
-    monkeypatch.setattr(tiers_mod, "PREFETCH_STEP", 1)
+    monkeypatch.setattr(loads_mod, "PREFETCH_STEP", 1)
     t = await make_tiers(tmp_path, connector=None)
     try:
         a, b = session(t, "nsA"), session(t, "nsB")
