@@ -295,15 +295,15 @@ class Headers:
         self._write_front()
 
     def attach(self, tiers: Tiers) -> None:
-        """Wires the writes into the page lifecycle (Tiers, its backup, the allocator), and records the slabs
-        the allocator already gave out. A pool of several arenas: attach_arenas."""
+        """Observes the page lifecycle (every page made ready, written to L3 or gone) and the allocator, and
+        records the slabs the allocator already gave out. A pool of several arenas: attach_arenas."""
         tiers.observe(self)
         self.attach_alloc(tiers)
 
     def attach_alloc(self, tiers: Tiers) -> None:
         """The slab table follows the allocator of this arena (slab numbers count from the arena's start)."""
         alloc = tiers.index.allocs[self.arena]
-        alloc.on_assign = self.slab
+        alloc.observe(self.slab)
         for cls in alloc.classes.values():
             for s in cls.slabs:
                 self.slab(s, cls.slot_bytes)

@@ -46,6 +46,10 @@ class SlabAllocator:
         # Told (slab, slot bytes) when a slab is given to a class: the slot headers' slab table (headers.py).
         self.on_assign: Callable[[int, int], None] | None = None
 
+    def observe(self, on_assign: Callable[[int, int], None] | None) -> None:
+        """`on_assign(slab, slot_bytes)` hears of every slab given to a class (the headers' slab table)."""
+        self.on_assign = on_assign
+
     def size_class(self, slot_bytes: int) -> SizeClass:
         cls = self.classes.get(slot_bytes)
         if cls is None:
