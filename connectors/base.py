@@ -145,6 +145,7 @@ class Connector(abc.ABC):
         # Each connector probes under a key of its own: nodes that share a store (Redis, S3) and probe it
         # at once must not delete each other's probe object between its write and its read.
         self._probe_key = f"probe-{secrets.token_hex(8)}"
+        self._misfit_logged: set[str] = set()  # namespaces whose misfit pages were logged (bounded)
 
     async def start(self) -> None:
         """Open clients, create directories. Raises BackendError if the store is not usable."""
@@ -229,6 +230,23 @@ class Connector(abc.ABC):
                 raise BackendUnavailable(
                     self.name, f"probe did not finish within {timeout}s", "timeout"
                 ) from None
+
+    def misfit(self, namespace: str, key: str, reason: str, detail: str) -> None:
+        """Count one page that does not fit its reader (header.MisfitPage), left in place; logged once a
+        namespace (a node of the fleet configured otherwise reads or writes many)."""
+        self.counters[f"misfit.{reason}"] += 1
+        if namespace in self._misfit_logged or len(self._misfit_logged) >= 1024:
+            return
+        self._misfit_logged.add(namespace)
+        log.warning(
+            "%s: page %s/%s does not fit this daemon (%s): a miss, left in place for the nodes it fits "
+            "(another page size or format for the same namespace; counted in misfit.*, logged once a "
+            "namespace)",
+            self.name,
+            namespace,
+            key,
+            detail,
+        )
 
     def corrupt(self, namespace: str, key: str, reason: str, detail: str) -> None:
         """Count and log one corrupt object (the caller removes it)."""

@@ -274,7 +274,9 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
             if result == HIT:
                 continue
             self.counters["misses"] += 1
-            if isinstance(result, header.CorruptPage):
+            if isinstance(result, header.MisfitPage):
+                self.misfit(namespace, key, result.reason, str(result))
+            elif isinstance(result, header.CorruptPage):
                 self.corrupt(namespace, key, result.reason, str(result))
             elif isinstance(result, NotPage):
                 self.counters["not_a_page"] += 1

@@ -370,6 +370,11 @@ class PageIO:
                     with contextlib.suppress(OSError):  # marks it used for the janitor; best effort
                         os.utime(fd)
             return HIT
+        except header.MisfitPage as e:
+            if e.payload_len < 0 or os.fstat(fd).st_size == header.HEADER_SIZE + e.payload_len:
+                return e  # another node's page size or format: its page, not ours to remove
+            self._remove_if_same(directory, key, os.fstat(fd))  # its length field is damaged
+            return header.CorruptPage("length", "file length does not match its header")
         except header.CorruptPage as e:
             self._remove_if_same(directory, key, os.fstat(fd))
             return e

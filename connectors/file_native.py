@@ -18,7 +18,7 @@ from .file_io import CANCELLED, CHANGED, CHUNK, HIT, MISS, TOUCH_AFTER_S, NotPag
 
 log = logging.getLogger("hicached.connectors.file")
 
-_PAGEIO_API = 6  # the arguments and answers of hicached.common._pageio that this file was written for
+_PAGEIO_API = 7  # the arguments and answers of hicached.common._pageio that this file was written for
 try:  # the C page I/O (hicached/common/_pageio.c), built by the install where a C compiler is at hand
     from hicached.common import _pageio
 except ImportError:
@@ -46,10 +46,18 @@ _NATIVE_CORRUPT = (
     {
         _pageio.SHORT: ("short", "file holds no header"),
         _pageio.MAGIC_BAD: ("magic", "not a hicached page (bad magic)"),
-        _pageio.VERSION_BAD: ("version", "unsupported page format version"),
         _pageio.LENGTH_BAD: ("length", "file length does not match the page size"),
         _pageio.KEY_BAD: ("key", "object belongs to another key or namespace"),
         _pageio.CHECKSUM_BAD: ("checksum", "payload checksum does not match the header"),
+    }
+    if _pageio is not None
+    else {}
+)
+# Pages of the key for another format version or page size: a miss, left alone (header.MisfitPage).
+_NATIVE_MISFIT = (
+    {
+        _pageio.VERSION_BAD: ("version", "another page format version"),
+        _pageio.MISFIT: ("length", "a page of another size"),
     }
     if _pageio is not None
     else {}
@@ -226,6 +234,8 @@ class NativeIO:
                 pass
             elif code == native.NOT_PAGE:
                 out[i] = NotPage()
+            elif code in _NATIVE_MISFIT:
+                out[i] = header.MisfitPage(*_NATIVE_MISFIT[code])
             elif code < 0:
                 out[i] = header.CorruptPage(*_NATIVE_CORRUPT[code])
             else:

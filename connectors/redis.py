@@ -341,7 +341,9 @@ class RedisConnector(Connector):
             found = [
                 self._account(namespace, k, b, o) for k, b, o in zip(keys, buffers, outcomes, strict=True)
             ]
-            corrupt = [k for k, hit in zip(keys, found, strict=True) if hit is None]
+            corrupt = [
+                k for k, hit, o in zip(keys, found, outcomes, strict=True) if hit is None and not _misfit(o)
+            ]
             if corrupt:
                 # A writer that replaced the object since our GET loses its page here: a later miss,
                 # never a corrupt hit. Failing to remove it fails nothing: the next read finds it again.
@@ -353,7 +355,10 @@ class RedisConnector(Connector):
 
     def _account(self, namespace: str, key: str, buf: memoryview, outcome: Any) -> bool | None:
         """Counts one GET's outcome (True: filled, False: absent, CorruptPage); None for a corrupt one."""
-        if isinstance(outcome, header.CorruptPage):
+        if isinstance(outcome, header.MisfitPage):
+            self.misfit(namespace, key, outcome.reason, str(outcome))
+            hit = None
+        elif isinstance(outcome, header.CorruptPage):
             self.corrupt(namespace, key, outcome.reason, str(outcome))
             hit = None
         else:
@@ -507,13 +512,21 @@ def _check_and_copy(
     return _Deferred(work) if size > _THREAD_BYTES else work()
 
 
+def _misfit(outcome: Any) -> bool:
+    """A page of another page size or format (header.MisfitPage): not ours to remove."""
+    return isinstance(outcome, header.MisfitPage)
+
+
 def _verified_payload(value: bytes, namespace: str, key: str, length: int) -> memoryview:
     mv = memoryview(value)
     expected = header.HEADER_SIZE + length
     if len(mv) < header.HEADER_SIZE:
         raise header.CorruptPage("short", f"object of {len(mv)} bytes holds no header")
+    # The header first: a page of another size (a node configured otherwise) is a misfit, not corrupt.
+    digest = header.parse(mv[: header.HEADER_SIZE], namespace, key, length, len(mv))
     if len(mv) != expected:
         raise header.CorruptPage("length", f"object of {len(mv)} bytes, expected {expected}")
     payload = mv[header.HEADER_SIZE :]
-    header.verify(mv[: header.HEADER_SIZE], namespace, key, payload)
+    if header.checksum(payload) != digest:
+        raise header.CorruptPage("checksum", "payload checksum does not match the header")
     return payload

@@ -262,7 +262,11 @@ class S3Connector(Connector):
 
         async def run() -> list[bool | header.CorruptPage]:
             results = await self._gather(get_one, keys, buffers)
-            corrupt = [k for k, res in zip(keys, results, strict=True) if isinstance(res, header.CorruptPage)]
+            corrupt = [
+                k
+                for k, res in zip(keys, results, strict=True)
+                if isinstance(res, header.CorruptPage) and not isinstance(res, header.MisfitPage)
+            ]
             if corrupt:
                 # Failing to remove it fails nothing: the next read finds it corrupt again.
                 with contextlib.suppress(bexc.ClientError, bexc.BotoCoreError, *_TRANSPORT):
@@ -271,7 +275,10 @@ class S3Connector(Connector):
 
         found = []
         for key, buf, res in zip(keys, buffers, await self._call(run), strict=True):
-            if isinstance(res, header.CorruptPage):
+            if isinstance(res, header.MisfitPage):
+                self.misfit(namespace, key, res.reason, str(res))
+                res = False
+            elif isinstance(res, header.CorruptPage):
                 self.corrupt(namespace, key, res.reason, str(res))
                 res = False
             self.counters["hits" if res else "misses"] += 1
@@ -394,11 +401,12 @@ async def _read_page(resp: dict[str, Any], namespace: str, key: str, dest: memor
     async with stream:  # releases the connection, or closes it when the body was not read to the end
         if length < header.HEADER_SIZE:
             raise header.CorruptPage("short", f"object of {length} bytes holds no header")
-        if length != expected:
-            raise header.CorruptPage("length", f"object of {length} bytes, expected {expected}")
         head = memoryview(bytearray(header.HEADER_SIZE))
         await _read_exactly(stream, head)
-        digest = header.parse(head, namespace, key, dest.nbytes)
+        # The header first: a page of another size (a node configured otherwise) is a misfit, not corrupt.
+        digest = header.parse(head, namespace, key, dest.nbytes, length)
+        if length != expected:
+            raise header.CorruptPage("length", f"object of {length} bytes, expected {expected}")
         await _read_exactly(stream, dest)
     if header.checksum(dest) != digest:
         raise header.CorruptPage("checksum", "payload checksum does not match the header")

@@ -71,10 +71,11 @@ enum {
     RESULT_BAD_KEY = -8, /* not a valid key (hicached/common/keys.py): no file is touched */
     RESULT_CHANGED = -9, /* writes: the payload did not hash to its checksum as written: not published */
     RESULT_NOT_PAGE = -10, /* reads: the page's path holds no regular file (a FIFO, a directory, a device) */
+    RESULT_MISFIT = -11, /* reads: a page of the key for another page size (its header says so): left alone */
 };
 
 /* Bumped when a function's arguments change: file.py uses only a build of the sources it was written for. */
-#define API_VERSION 6
+#define API_VERSION 7
 /* Versions of the fence words (copy_ranges' fence, fence_*): ranges.py fences copies only with a build that
    has them. Apart from API_VERSION, which file.py requires exactly: fences change none of its calls. */
 #define FENCE_VERSION 1
@@ -290,15 +291,16 @@ static int read_one(Job *j, int rootfd, size_t root_len, const char *ns, size_t 
         result = RESULT_MAGIC;
     else if (get_u16(head + 4) != FORMAT_VERSION || get_u16(head + 6) != HEADER_SIZE)
         result = RESULT_VERSION;
-    else if (get_u64(head + 8) != size)
-        result = RESULT_LENGTH;
     else if (get_u64(head + 24) != tag)
         result = RESULT_KEY;
+    else if (get_u64(head + 8) != size) /* whole, of another page size, or a damaged length field */
+        result = (uint64_t)st0.st_size == HEADER_SIZE + get_u64(head + 8) ? RESULT_MISFIT : RESULT_LENGTH;
     else if ((size_t)got != HEADER_SIZE + size) /* short, or longer than its page (the extra byte read) */
         result = RESULT_LENGTH;
     else if (get_u64(head + 16) != actual)
         result = RESULT_CHECKSUM;
-    if (result != 0) {
+    /* Another format version or page size (a node of the fleet configured otherwise): a miss, left alone. */
+    if (result != 0 && result != RESULT_VERSION && result != RESULT_MISFIT) {
         *removed += remove_if_same(fd, path);
     } else if (touch_after >= 0) {
         /* Marks the page used for the janitor, only when the mark is old: see _TOUCH_AFTER_S in file.py. */
@@ -1807,6 +1809,7 @@ PyMODINIT_FUNC PyInit__pageio(void) {
         PyModule_AddIntConstant(m, "BAD_KEY", RESULT_BAD_KEY) < 0 || PyModule_AddIntConstant(m, "API", API_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "CHANGED", RESULT_CHANGED) < 0 ||
         PyModule_AddIntConstant(m, "NOT_PAGE", RESULT_NOT_PAGE) < 0 ||
+        PyModule_AddIntConstant(m, "MISFIT", RESULT_MISFIT) < 0 ||
         PyModule_AddIntConstant(m, "FENCES", FENCE_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "KEY_MAX_LEN", KEY_MAX_LEN) < 0 ||
         PyModule_AddIntConstant(m, "NAMESPACE_MAX_LEN", NAMESPACE_MAX_LEN) < 0) {

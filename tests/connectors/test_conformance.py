@@ -4,6 +4,7 @@ on, whichever backend is configured."""
 from __future__ import annotations
 
 import asyncio
+import struct
 
 import pytest
 from hicached.connectors import BackendUnavailable, Connector, header
@@ -168,11 +169,24 @@ async def test_corrupt_object_is_a_counted_miss_and_removed(backend, reason: str
         assert await conn.exists(NS, [key(1), key(2)]) == 0
 
 
-async def test_wrong_buffer_size_never_hits(backend) -> None:
+async def test_a_page_of_another_size_or_format_is_a_miss_left_for_its_readers(backend) -> None:
+    """Regression (#29): a node whose engines use another page size for the same namespace (or a daemon of
+    another page format) read the others' pages as corrupt and removed them: 0 of 48 survived. Now a miss,
+    counted apart (misfit.*), and the page stays for the nodes it fits."""
     async with backend.connector() as conn:
-        await conn.put(NS, [key(3)], [page(3, 8 * KiB)])
+        await conn.put(NS, [key(3), key(4)], [page(3, 8 * KiB), page(4, 8 * KiB)])
+        four = await asyncio.to_thread(backend.raw, NS, key(4))
+        newer = bytearray(four)
+        struct.pack_into("<H", newer, 4, header.VERSION + 1)  # a format this daemon does not read
+        await asyncio.to_thread(backend.replace, NS, key(4), bytes(newer))
         assert await conn.get_into(NS, [key(3)], buffers(1, 4 * KiB)) == [False]
-        assert conn.counters["corrupt.length"] == 1
+        assert await conn.get_into(NS, [key(4)], buffers(1, 8 * KiB)) == [False]
+        assert (conn.counters["misfit.length"], conn.counters["misfit.version"]) == (1, 1)
+        assert not any(k.startswith("corrupt.") for k in conn.counters)
+        assert await asyncio.to_thread(backend.raw, NS, key(4)) == bytes(newer)
+        bufs = buffers(1, 8 * KiB)
+        assert await conn.get_into(NS, [key(3)], bufs) == [True]  # its readers still find it
+        assert bufs[0] == page(3, 8 * KiB)
 
 
 async def test_probe(backend) -> None:

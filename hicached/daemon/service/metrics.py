@@ -94,10 +94,18 @@ class DaemonCollector(Collector):
             corrupt = CounterMetricFamily(
                 "hicached_corrupt_pages", "Corrupt L3 pages found", labels=["reason"]
             )
+            misfit = CounterMetricFamily(
+                "hicached_misfit_pages",
+                "L3 pages of another page size or format (another node's), left in place",
+                labels=["reason"],
+            )
             for key, value in tiers.connector.counters.items():
                 if key.startswith("corrupt."):
                     corrupt.add_metric([key.removeprefix("corrupt.")], value)
+                elif key.startswith("misfit."):
+                    misfit.add_metric([key.removeprefix("misfit.")], value)
             yield corrupt
+            yield misfit
         idx = tiers.index
         evictions = CounterMetricFamily("hicached_evictions", "Pages evicted from L2")
         evictions.add_metric([], idx.counters.get("evictions", 0))
