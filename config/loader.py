@@ -315,6 +315,8 @@ def validate(cfg: Config) -> None:
         "prefetch_queue_pages",
     )
     _positive(st, "storage", "operation_timeout", "drain_timeout")
+    if st.epoch_interval < 0:
+        raise ConfigError("storage.epoch_interval", "must be 0 (clears stay on this node) or a duration")
     _positive(st.breaker, "storage.breaker", "failures", "probe_interval", "probe_max_interval")
     if st.breaker.stall_timeout < 0:
         raise ConfigError("storage.breaker.stall_timeout", "must be 0 (off) or a duration")
@@ -327,7 +329,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("storage.retry.jitter", "must be between 0 and 1")
     if st.file.io_threads < 0:
         raise ConfigError("storage.file.io_threads", "must be 0 (automatic) or a positive number of threads")
-    _positive(st.file, "storage.file", "janitor_interval")
+    _positive(st.file, "storage.file", "janitor_interval", "fleet_refresh")
     if st.backup_concurrency_busy < 0:
         raise ConfigError("storage.backup_concurrency_busy", "must be 0 (no limit) or a number of calls")
     if st.backup_defer < 0:

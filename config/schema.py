@@ -116,12 +116,19 @@ class FileConfig:
     # filled with pages not yet in L3 and stores were refused. Off by default; for nodes with CPUs to spare.
     write_sched_idle: bool = False
     fsync: bool = False
-    # Bound on the bytes of page files under root (0: none). Past it, a janitor removes the least recently
-    # used pages down to low_watermark * max_bytes; it looks every janitor_interval, and at once when a
-    # write crosses the bound.
+    # Bound on the bytes of page files under root (0: none), those of every daemon sharing it. Past it, a
+    # janitor removes the least recently used pages down to low_watermark * max_bytes; it looks every
+    # janitor_interval, and at once when the estimate crosses the bound. The daemons on one root should set
+    # the same bound (each run uses its own daemon's; one without a bound is seen only at the next scan).
     max_bytes: Size = 0
     low_watermark: float = 0.9
     janitor_interval: Duration = 30.0
+    # Seconds between a bounded daemon's looks at the other daemons sharing this root (one storage.file.root
+    # on NFS, Lustre, 3FS): it publishes the bytes it wrote and removed under {root}/.fleet~ when they
+    # changed (and every minute regardless), and reads the others' to keep the estimate of the whole tree
+    # that max_bytes bounds. The tree may pass max_bytes by what the fleet writes in two periods (one to
+    # publish, one to read) and one janitor run (connectors/file_fleet.py says what the file system must do).
+    fleet_refresh: Duration = 1.0
 
 
 @dataclass
@@ -213,6 +220,11 @@ class StorageConfig:
     operation_timeout: Duration = 10.0
     # A swapped-out backend may finish the calls it has in flight for this long before it is closed.
     drain_timeout: Duration = 30.0
+    # How often this node reads the clear epoch of each namespace it uses from the shared L3 (where every
+    # node's clear() writes it: hicached.daemon.sched.epochs). After clear() returned on any node, no node
+    # serves a page of the namespace stored before it once this, plus one store call (operation_timeout at
+    # worst, milliseconds usually), has passed. 0: clears stay on this node (one node, or an L3 not shared).
+    epoch_interval: Duration = 1.0
     retry: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)

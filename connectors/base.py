@@ -22,6 +22,11 @@ from typing import Any, ClassVar
 log = logging.getLogger("hicached.connectors")
 
 PROBE_NAMESPACE = "_hicached_probe"
+# Where the nodes of a fleet keep what they share besides pages (marks: each namespace's clear epoch,
+# hicached.daemon.sched.epochs; the file backend's janitor lease and ledgers): a name that no namespace can
+# take (the "~": hicached.common.keys.valid_namespace), so that no page call of any engine reaches them.
+FLEET_NAMESPACE = ".fleet~"
+MAX_MARK = 4096  # bytes of a mark (Connector.read_marks): a few words, never a page
 
 
 class BackendError(Exception):
@@ -197,10 +202,22 @@ class Connector(abc.ABC):
         """Deletes every page of `namespace` in this store; returns how many objects were removed. Objects
         of other namespaces are never touched, those whose name starts with this one's included (`ns` and
         `ns2`, `a` and `a.b`). Pages written into the namespace while the call runs may or may not be
-        removed. An invalid namespace (hicached.common.keys.valid_namespace) holds no pages: 0. Raises
+        removed. An invalid namespace (hicached.common.keys.valid_stored_namespace) holds no pages: 0. Raises
         BackendUnavailable when the store fails or the call passes the connector's time-out (some pages may
         be gone by then); this default, for backends that cannot do it, raises BackendUnsupported."""
         raise BackendUnsupported(self.name, "clearing a namespace is not supported", "unsupported")
+
+    async def read_marks(self, names: Sequence[str]) -> list[bytes | None]:
+        """Marks: small values that the nodes sharing this store keep besides pages (each namespace's clear
+        epoch, hicached.daemon.sched.epochs), by name (a valid key); None where a mark is absent. A store
+        keeps them apart from pages: no page bound, eviction or time to live of the connector's removes
+        them. Raises BackendError as the page calls do; this default, for a store that cannot keep them,
+        BackendUnsupported (clears then stay node-local)."""
+        raise BackendUnsupported(self.name, "marks are not supported", "unsupported")
+
+    async def write_mark(self, name: str, value: bytes) -> None:
+        """Replaces the mark `name` with `value` (a few bytes), whole: a reader sees the old or the new."""
+        raise BackendUnsupported(self.name, "marks are not supported", "unsupported")
 
     async def close(self) -> None:
         """Release clients and threads. Idempotent."""

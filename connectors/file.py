@@ -1,7 +1,8 @@
 """The local-file L3 backend: one file per page, `{root}/{namespace}/{key[0:2]}/{key[2:4]}/{key}`, each a
 header (connectors.header) followed by the payload, written to a temporary name and renamed into place.
-With `max_bytes` set, a janitor removes the least recently used pages when the tree grows past it. Here the
-connector; its page I/O in file_io (Python) and file_native (C), paths in file_layout, bound in file_bound."""
+With `max_bytes` set, a janitor removes the least recently used pages when the tree grows past it, however
+many daemons share the root. Here the connector; its page I/O in file_io (Python) and file_native (C), paths
+in file_layout, bound in file_bound (shared with the other daemons on the root through file_fleet)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import aiofiles.os
 import aiofiles.ospath
 from hicached.config import Config, resolve_path
 
-from hicached.common.keys import valid_namespace
+from hicached.common.keys import valid_stored_namespace
 
-from . import file_janitor, header
+from . import file_fleet, file_janitor, file_marks, header
 from .base import (
     PROBE_NAMESPACE,
     BackendMisconfigured,
@@ -91,14 +92,22 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
         # The C page I/O counts its own names: a "c" after the tag keeps them apart from these.
         self._native_tmp_tag = f"{self._tmp_tag}c".encode()
         self._root_bytes = os.fsencode(self.root)
-        # Capacity bound (0: none). The bytes of page files are an estimate kept by the io threads (puts,
-        # deletes, corrupt pages removed) and made exact by each janitor scan.
+        # Capacity bound (0: none), of the whole tree whatever the number of daemons sharing the root. The
+        # bytes of page files are an estimate: the last janitor scan (of any daemon on the root), plus what
+        # each daemon's ledger says it added and removed since (puts, deletes, corrupt pages removed,
+        # clears), this daemon's at once, the others' at each fleet_refresh (file_fleet).
         self._max_bytes = fc.max_bytes
         self._low_bytes = int(fc.max_bytes * fc.low_watermark)
         self._janitor_interval = fc.janitor_interval
-        self._stored = 0
-        self._stored_lock = threading.Lock()
-        self._scanned = asyncio.Event()  # set after the first scan: the estimate means something
+        self._fleet_refresh = fc.fleet_refresh
+        self._ledger = file_fleet.Ledger(self.root, self._tmp_tag, shared=fc.max_bytes > 0)
+        self._last_scan_total = 0  # bytes of page files the last run of this daemon's janitor found
+        self._lock_unsupported = False  # flock failed on the root: janitors run uncoordinated (warned once)
+        self._skipped = False  # the last janitor run was left to another daemon's, which held the lease
+        self._scan_unshared = False  # the last run's scan could not be written for the others (warned)
+        self._refresher: asyncio.Task[None] | None = None  # with a bound: the ledger's refreshes
+        self._refreshed = asyncio.Event()  # set after each refresh
+        self._scanned = asyncio.Event()  # set after the first janitor run: the estimate means something
         self._wake = asyncio.Event()
         self._enforcing = asyncio.Lock()
         self._janitor: asyncio.Task[None] | None = None
@@ -113,6 +122,8 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
         self._scan_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicached-file-janitor")
         # The breaker's probe runs on a thread of its own: it never waits behind page I/O.
         self._probe_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicached-file-probe")
+        # The ledger's files too: never behind a scan, however long it takes.
+        self._fleet_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicached-file-fleet")
 
     async def start(self) -> None:
         kw = {"executor": self._executor}
@@ -140,6 +151,8 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
                     self._threads,
                 )
             self._janitor = asyncio.create_task(self._janitor_loop(), name="hicached-file-janitor")
+            if self._max_bytes:
+                self._refresher = asyncio.create_task(self._fleet_loop(), name="hicached-file-fleet")
 
     async def close(self) -> None:
         if not self._closed:
@@ -149,12 +162,14 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
                 self._janitor.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._janitor
+            await self._close_fleet()
             # Not waiting: a hung disk must not hang shutdown. Jobs already submitted still run to the end,
             # so every call in flight gets its answer.
             self._executor.shutdown(wait=False)
             self._write_executor.shutdown(wait=False)
             self._scan_executor.shutdown(wait=False)
             self._probe_executor.shutdown(wait=False)
+            self._fleet_executor.shutdown(wait=False)
             if self._engines is not None:
                 for engine in self._engines:
                     engine.close()
@@ -190,7 +205,7 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
         key = self._probe_key
         root = self._open_root()
         try:
-            self._write_one(root, PROBE_NAMESPACE, key, payload)
+            self._add_stored(self._write_one(root, PROBE_NAMESPACE, key, payload))  # _remove_all takes it off
             if self._read_one(root, PROBE_NAMESPACE, key, back, bufs) != HIT or back != payload:
                 raise BackendUnavailable(self.name, "probe read did not return what was written", "probe")
         finally:
@@ -207,6 +222,8 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
             for what, engine in zip(("reads", "writes"), self._engines, strict=True):
                 e = engine.info
                 out[f"{what}_queued"], out[f"{what}_running"] = e["queued"], e["running"]
+        if self._max_bytes:
+            out["bound"] = self._bound_info()
         return out
 
     async def put(
@@ -222,7 +239,7 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
         self.counters["puts"] += len(keys)
         if not keys:
             return []
-        if not valid_namespace(namespace):
+        if not valid_stored_namespace(namespace):
             self.counters["errors.invalid_namespace"] += len(keys)
             return [False] * len(keys)
         if self._engines is not None:
@@ -241,7 +258,7 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
         failed = [r for r in results if r is not None]
         if failed:  # once per call, not per page: a full disk fails every page of a batch alike
             log.warning("file: %d of %d pages not written (%s)", len(failed), len(keys), failed[0])
-        if self._max_bytes and self._stored > self._max_bytes:
+        if self._max_bytes and self.stored_bytes > self._max_bytes:
             self._wake.set()
         return ok
 
@@ -255,7 +272,7 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
             raise ValueError("get_into needs writable buffers")
         self.counters["gets"] += len(keys)
         results = [MISS] * len(keys)
-        if keys and valid_namespace(namespace):
+        if keys and valid_stored_namespace(namespace):
             if self._engines is not None:
                 results = await self._engine_get(namespace, keys, views, hold)
             else:
@@ -288,7 +305,7 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
             log.warning("file: %s is not a regular file; treated as a miss", self._path(namespace, odd))
 
     async def exists(self, namespace: str, keys: Sequence[str]) -> int:
-        if not keys or not valid_namespace(namespace):
+        if not keys or not valid_stored_namespace(namespace):
             return 0
         # Stat alone (no payload read): one job for the whole list, stopping at the first hole.
         if self._engines is not None:
@@ -297,7 +314,7 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
         return await self._call(aiofiles.ospath.wrap(self._leading_present), namespace, keys, what="exists")
 
     async def delete(self, namespace: str, keys: Sequence[str]) -> int:
-        if not keys or not valid_namespace(namespace):
+        if not keys or not valid_stored_namespace(namespace):
             return 0
         if self._engines is not None:
             removed = (await self._engine_names("delete", namespace, keys)).count(0)
@@ -317,7 +334,7 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
         directory) is itself removed, what it points to is left alone, and it held no pages (0). Past
         storage.operation_timeout the call raises BackendUnavailable while the removal goes on; trees that
         a clear left behind (a crash) are removed by the janitor's next scan, one at every start."""
-        if not valid_namespace(namespace):
+        if not valid_stored_namespace(namespace):
             return 0
         removed = await self._call(aiofiles.ospath.wrap(self._clear), namespace, what="clear_namespace")
         self.counters["deletes"] += removed
@@ -337,6 +354,26 @@ class FileConnector(PageIO, NativeIO, Bound, Connector):
             return 0
         finally:
             self._clearing.discard(trash)
+            os.close(root)
+
+    async def read_marks(self, names: Sequence[str]) -> list[bytes | None]:
+        return await self._call(aiofiles.ospath.wrap(self._read_marks), list(names), what="read_marks")
+
+    async def write_mark(self, name: str, value: bytes) -> None:
+        await self._call(aiofiles.ospath.wrap(self._write_mark), name, bytes(value), what="write_mark")
+
+    def _read_marks(self, names: list[str]) -> list[bytes | None]:
+        root = self._open_root()
+        try:
+            return file_marks.read(root, names)
+        finally:
+            os.close(root)
+
+    def _write_mark(self, name: str, value: bytes) -> None:
+        root = self._open_root()
+        try:
+            file_marks.write(root, name, value, f"{self._tmp_tag}m{next(self._tmp_seq)}", self._fsync)
+        finally:
             os.close(root)
 
     def _freed(self, nbytes: int) -> None:

@@ -12,10 +12,19 @@ import threading
 import time
 from collections.abc import Callable, Container, Iterator
 
+from .base import FLEET_NAMESPACE
+
 STALE_TMP_S = 600.0  # a temporary file this old belongs to a write that died with its daemon
 # A namespace being cleared is renamed to `{TRASH_PREFIX}{tag}.{seq}` under the root, then removed. The "~"
 # keeps the name out of every namespace (hicached.common.keys.valid_namespace): no call reads or writes there.
 TRASH_PREFIX = ".trash~"
+# What the daemons sharing the root keep besides pages (file_fleet's ledgers and lease, file_marks): never
+# walked as a namespace, so nothing there is counted or evicted.
+FLEET_DIR = FLEET_NAMESPACE
+# What evict() did with a page.
+REMOVED = "removed"  # this janitor removed it
+GONE = "gone"  # someone else did first (another daemon's janitor, a delete, a clear): it is out of the tree
+KEPT = "kept"  # used or written again since the scan, or it could not be removed: it stays
 # Passes over a trash tree before it is left to the janitor: a write that had opened its shard before the
 # rename may still publish a page there (one per writing thread), after the pass that emptied the shard.
 _TRASH_PASSES = 3
@@ -88,7 +97,7 @@ def _shards(root: str, clearing: Container[str] = ()) -> Iterator[tuple[str, boo
     for ns in _subdirs(root, missing_ok=False):
         name = os.path.basename(ns)
         cleared = name.startswith(TRASH_PREFIX)
-        if cleared and name not in clearing:
+        if name == FLEET_DIR or (cleared and name not in clearing):
             continue
         for a in _subdirs(ns):
             for shard in _subdirs(a):
@@ -192,16 +201,21 @@ def _empty(fd: int, depth: int, freed: Callable[[int], None] | None) -> int:
     return pages
 
 
-def evict(path: str, ino: int, used: float) -> bool:
-    """Removes a page unless it was read or written again since the scan (a new inode, a later mtime)."""
+def evict(path: str, ino: int, used: float) -> str:
+    """Removes a page unless it was read or written again since the scan (a new inode, a later mtime):
+    REMOVED, GONE (removed by someone else since the scan: out of the tree all the same) or KEPT. Janitors
+    of several daemons that run at once each count the pages the others removed as gone, so together
+    they remove no more than the excess."""
     try:
         now = os.stat(path, follow_symlinks=False)
         if now.st_ino != ino or now.st_mtime > used:
-            return False
+            return KEPT
         os.unlink(path)
-        return True
+        return REMOVED
+    except (FileNotFoundError, NotADirectoryError):
+        return GONE
     except OSError:
-        return False
+        return KEPT
 
 
 def _subdirs(path: str, missing_ok: bool = True) -> list[str]:

@@ -18,7 +18,7 @@ from .file_io import CANCELLED, CHANGED, CHUNK, HIT, MISS, TOUCH_AFTER_S, NotPag
 
 log = logging.getLogger("hicached.connectors.file")
 
-_PAGEIO_API = 7  # the arguments and answers of hicached.common._pageio that this file was written for
+_PAGEIO_API = 8  # the arguments and answers of hicached.common._pageio that this file was written for
 try:  # the C page I/O (hicached/common/_pageio.c), built by the install where a C compiler is at hand
     from hicached.common import _pageio
 except ImportError:

@@ -25,11 +25,20 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 from redis.asyncio.retry import Retry
 from redis.backoff import AbstractBackoff
 
-from hicached.common.keys import valid_key, valid_namespace
+from hicached.common.keys import valid_key, valid_stored_namespace
 from hicached.common.retry import Backoff
 
 from . import header
-from .base import BackendMisconfigured, BackendUnavailable, Capabilities, Connector, Hold, log, put_checksums
+from .base import (
+    FLEET_NAMESPACE,
+    BackendMisconfigured,
+    BackendUnavailable,
+    Capabilities,
+    Connector,
+    Hold,
+    log,
+    put_checksums,
+)
 
 T = TypeVar("T")
 
@@ -398,6 +407,24 @@ class RedisConnector(Connector):
         self.counters["deletes"] += removed
         return removed
 
+    async def read_marks(self, names: Sequence[str]) -> list[bytes | None]:
+        """Each mark a plain key `{prefix}:.fleet~:{name}`, with no time to live: under a
+        `volatile-*` maxmemory-policy, only pages (which have one) are evicted (docs/fleet.md)."""
+        if not names:
+            return []
+        results = await self._pipeline([("GET", self._key(FLEET_NAMESPACE, name)) for name in names])
+        self._count_refusals(results, "GET")
+        failed = next((r for r in results if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise self._unavailable("response", f"reading marks: {failed}")
+        return [None if r is None else bytes(r) for r in results]
+
+    async def write_mark(self, name: str, value: bytes) -> None:
+        results = await self._pipeline([("SET", self._key(FLEET_NAMESPACE, name), bytes(value))])
+        self._count_refusals(results, "SET")
+        if isinstance(results[0], Exception):
+            raise self._unavailable("response", f"writing mark {name}: {results[0]}")
+
     async def clear_namespace(self, namespace: str) -> int:
         """One SCAN pass over each primary (every node of a cluster, each holding its own slots) for keys
         that MATCH `{prefix}:{namespace}:*` (the prefix's glob characters escaped), each round's pages
@@ -406,7 +433,7 @@ class RedisConnector(Connector):
         pages come in meanwhile: SCAN returns every key there throughout the pass, and a key written during
         it may or may not be. A cluster that moves slots or fails over during the pass fails the call, or
         leaves the pages of the moved slots. Pages removed before a failure are counted in `deletes`."""
-        if not valid_namespace(namespace):
+        if not valid_stored_namespace(namespace):
             return 0
         head = self._key(namespace, "")
         match, prefix = _GLOB_SPECIAL.sub(r"\\\1", head) + "*", head.encode()

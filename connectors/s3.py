@@ -18,10 +18,12 @@ import botocore.exceptions as bexc
 from aiobotocore.config import AioConfig
 from hicached.config import Config
 
-from hicached.common.keys import valid_key, valid_namespace
+from hicached.common.keys import valid_key, valid_stored_namespace
 
 from . import header
 from .base import (
+    FLEET_NAMESPACE,
+    MAX_MARK,
     BackendError,
     BackendMisconfigured,
     BackendUnavailable,
@@ -330,6 +332,32 @@ class S3Connector(Connector):
         self.counters["deletes"] += removed
         return removed
 
+    async def read_marks(self, names: Sequence[str]) -> list[bytes | None]:
+        """Each mark an object `{prefix}/.fleet~/{name}` (a lifecycle rule that expires pages must
+        leave that prefix alone: docs/fleet.md)."""
+
+        async def read_one(name: str, _: Any) -> bytes | None:
+            try:
+                resp = await self._client.get_object(
+                    Bucket=self._bucket, Key=self._object(FLEET_NAMESPACE, name)
+                )
+            except bexc.ClientError as e:
+                if _code(e) in _MISSING:
+                    return None
+                raise
+            async with resp["Body"] as body:
+                return (await body.read())[: MAX_MARK + 1]
+
+        return await self._each(read_one, list(names), list(names)) if names else []
+
+    async def write_mark(self, name: str, value: bytes) -> None:
+        async def run() -> None:
+            await self._client.put_object(
+                Bucket=self._bucket, Key=self._object(FLEET_NAMESPACE, name), Body=bytes(value)
+            )
+
+        await self._call(run)
+
     async def clear_namespace(self, namespace: str) -> int:
         """One ListObjectsV2 pass over `{prefix}/{namespace}/` (the slash keeps `ns2/` and `ns.x/` out), each
         page of the listing removed by one DeleteObjects; only objects named by a page key are pages (what
@@ -338,7 +366,7 @@ class S3Connector(Connector):
         listed. An object DeleteObjects reports as not deleted fails the call (BackendMisconfigured where
         the store refuses us, else BackendUnavailable). Pages removed before a failure are counted in
         `deletes`. DeleteObjects carries a checksum header; a store that rejects it fails the call."""
-        if not valid_namespace(namespace):
+        if not valid_stored_namespace(namespace):
             return 0
         folder = self._object(namespace, "")
         removed = 0

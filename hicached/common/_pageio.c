@@ -75,13 +75,17 @@ enum {
 };
 
 /* Bumped when a function's arguments change: file.py uses only a build of the sources it was written for. */
-#define API_VERSION 7
+#define API_VERSION 8
 /* Versions of the fence words (copy_ranges' fence, fence_*): ranges.py fences copies only with a build that
    has them. Apart from API_VERSION, which file.py requires exactly: fences change none of its calls. */
 #define FENCE_VERSION 1
 
 #define KEY_MAX_LEN 128 /* hicached/common/keys.py */
 #define NAMESPACE_MAX_LEN 128
+/* A namespace's objects after its first clear: "namespace~" and 16 hex digits of its epoch
+   (hicached.common.keys.stored_namespace). */
+#define EPOCH_LEN 16
+#define STORED_NS_MAX_LEN (NAMESPACE_MAX_LEN + 1 + EPOCH_LEN)
 
 typedef struct {
     char *path; /* the page file's name (PyMem) */
@@ -116,7 +120,7 @@ static uint64_t get_u64(const uint8_t *p) {
 /* The key tag, xxh3-64 of "namespace/key", into *tag; 0, or ENAMETOOLONG (never a wrong tag: on a read it
    would remove a good page). task_new bounds both names, so the buffer always holds them. */
 static int key_tag(const char *ns, size_t ns_len, const char *key, size_t key_len, uint64_t *tag) {
-    char buf[NAMESPACE_MAX_LEN + 1 + KEY_MAX_LEN];
+    char buf[STORED_NS_MAX_LEN + 1 + KEY_MAX_LEN];
     size_t n = ns_len + 1 + key_len;
     if (n > sizeof buf) return ENAMETOOLONG;
     memcpy(buf, ns, ns_len);
@@ -327,7 +331,7 @@ static int write_one(Job *j, int rootfd, const char *ns, size_t ns_len, size_t r
     if (err) return err;
     /* root/ns/k0k1/k2k3/key: the directory's name beneath the root, and the leaf names in it. */
     size_t dir_len = ns_len + 6;
-    char rel_dir[NAMESPACE_MAX_LEN + 8];
+    char rel_dir[STORED_NS_MAX_LEN + 8];
     memcpy(rel_dir, j->path + root_len + 1, dir_len);
     rel_dir[dir_len] = '\0';
     const char *leaf = j->path + root_len + 1 + dir_len + 1, *tmp = j->tmp + root_len + 1 + dir_len + 1;
@@ -441,6 +445,16 @@ static int valid_name(const char *s, Py_ssize_t n, Py_ssize_t max_len, int dot) 
     return !(dot && (n == 1 || n == 2) && s[0] == '.' && s[n - 1] == '.');
 }
 
+/* hicached.keys.valid_stored_namespace: a namespace, or one with "~" and its epoch. */
+static int valid_stored_ns(const char *s, Py_ssize_t n) {
+    if (n > 1 + EPOCH_LEN && s[n - 1 - EPOCH_LEN] == '~') {
+        for (Py_ssize_t i = n - EPOCH_LEN; i < n; i++)
+            if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
+        n -= 1 + EPOCH_LEN;
+    }
+    return valid_name(s, n, NAMESPACE_MAX_LEN, 1);
+}
+
 /* Process-wide: the temporary names of concurrent writes never meet (the tag tells processes apart). */
 static uint64_t tmp_seq;
 
@@ -513,7 +527,7 @@ static Task *task_new(int kind, const char *ns, Py_ssize_t ns_len, PyObject *key
         PyErr_SetString(PyExc_TypeError, "keys and buffers must be lists, root and tag bytes");
         goto fail;
     }
-    if (!valid_name(ns, ns_len, NAMESPACE_MAX_LEN, 1)) {
+    if (!valid_stored_ns(ns, ns_len)) {
         PyErr_SetString(PyExc_ValueError, "invalid namespace");
         goto fail;
     }
@@ -580,7 +594,7 @@ static int exists_one(Job *j, int rootfd, size_t root_len) {
 /* FileConnector._remove_all, a page at a time: 0 when removed (its bytes taken off *total), else an errno. */
 static int delete_one(Job *j, int rootfd, size_t root_len, size_t ns_len) {
     if (j->path == NULL) return RESULT_BAD_KEY;
-    char rel_dir[NAMESPACE_MAX_LEN + 8];
+    char rel_dir[STORED_NS_MAX_LEN + 8];
     size_t dir_len = ns_len + 6;
     memcpy(rel_dir, j->path + root_len + 1, dir_len);
     rel_dir[dir_len] = '\0';

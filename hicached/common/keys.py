@@ -65,6 +65,25 @@ def valid_namespace(namespace: Any) -> bool:
     return bool(_NAMESPACE_RE.fullmatch(namespace))
 
 
+# A namespace's objects in L3 after its first clear: `{namespace}~{epoch}` (hicached.daemon.sched.epochs). The
+# "~" keeps them apart from every namespace an engine can name.
+EPOCH_SEP = "~"
+_EPOCH_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def stored_namespace(namespace: str, epoch: str) -> str:
+    """The name of a namespace's objects in L3 under clear epoch `epoch` ("" before any clear: the name)."""
+    return f"{namespace}{EPOCH_SEP}{epoch}" if epoch else namespace
+
+
+def valid_stored_namespace(name: Any) -> bool:
+    """A namespace as the connectors take it: an engine's namespace, or one with its clear epoch."""
+    if not isinstance(name, str):
+        return False
+    base, sep, epoch = name.partition(EPOCH_SEP)
+    return valid_namespace(base) and (not sep or bool(_EPOCH_RE.fullmatch(epoch)))
+
+
 def check_namespace(namespace: Any) -> str:
     if not valid_namespace(namespace):
         raise ValueError(

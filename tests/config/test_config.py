@@ -343,6 +343,7 @@ def test_socket_mode_rejects(value: Any) -> None:
         ({"storage": {"retry": {"jitter": 1.5}}}, "storage.retry.jitter"),
         ({"storage": {"retry": {"jitter": -0.1}}}, "storage.retry.jitter"),
         ({"storage": {"file": {"io_threads": -1}}}, "storage.file.io_threads"),
+        ({"storage": {"file": {"fleet_refresh": "0s"}}}, "storage.file.fleet_refresh"),
         ({"storage": {"backup_concurrency_busy": -1}}, "storage.backup_concurrency_busy"),
         ({"storage": {"backup_defer": "-1s"}}, "storage.backup_defer"),
         ({"storage": {"file": {"write_nice": 20}}}, "storage.file.write_nice"),

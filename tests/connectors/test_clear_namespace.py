@@ -22,7 +22,7 @@ from hicached import config
 
 NS = "ns"
 # Namespaces whose names start as NS's does (or NS's as theirs): a clear of NS leaves them whole.
-OTHERS = ["ns2", "ns.x", "ns-", "n"]
+OTHERS = ["ns2", "ns.x", "ns-", "n", "ns~0123456789abcdef"]  # the last: NS after a clear (its epoch's name)
 SIZE = 4 * 1024
 # Only a guard against a hang: the calls themselves are bounded by storage.operation_timeout.
 GUARD_S = 60
@@ -72,6 +72,21 @@ async def test_clear_removes_every_page_of_its_namespace_and_nothing_else(backen
         for ns in OTHERS:
             await assert_intact(conn, ns, keys[:10])
         assert not [k for k in conn.counters if k.startswith(("errors.", "corrupt."))], conn.counters
+
+
+async def test_clear_of_a_namespace_under_its_epoch_leaves_its_other_names(backend) -> None:
+    """After its first clear a namespace's objects live under `ns~{epoch}` (hicached.daemon.sched.epochs):
+    a clear of one epoch's name removes its pages only, neither the namespace's first name nor another
+    epoch's."""
+    epoch, other = "ns~00000000000000aa", "ns~00000000000000bb"
+    async with backend.connector() as conn:
+        keys = await fill(conn, epoch, 12)
+        for ns in (NS, other):
+            await fill(conn, ns, 6)
+        assert await conn.clear_namespace(epoch) == 12
+        await assert_gone(conn, epoch, keys)
+        for ns in (NS, other):
+            await assert_intact(conn, ns, keys[:6])
 
 
 async def test_clear_of_a_namespace_larger_than_one_round(backend) -> None:

@@ -4,10 +4,14 @@ on, whichever backend is configured."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 
 import pytest
 from hicached.connectors import BackendUnavailable, Connector, header
+from hicached.connectors.base import FLEET_NAMESPACE
+
+from hicached.common.keys import valid_namespace
 
 NS = "llama-3.1-8b.bf16.p64.tp0of1"
 KiB, MiB = 1024, 1024 * 1024
@@ -268,3 +272,21 @@ async def test_probes_of_nodes_sharing_a_store_do_not_meet(backend) -> None:
 
         first.get_into = read_after_the_other_probe
         await first.probe(timeout=GUARD_S)
+
+
+async def test_marks_are_kept_apart_from_pages(backend) -> None:
+    """Marks (a namespace's clear epoch, shared by the nodes of a fleet): absent until written, replaced
+    whole, seen by another connector on the same store, never a page, and under no time to live."""
+    async with backend.connector(**({"ttl": "1s"} if backend.kind.startswith("redis") else {})) as a:
+        async with backend.connector() as b:
+            assert await a.read_marks([]) == []
+            assert await a.read_marks(["epoch-x", "epoch-y"]) == [None, None]
+            await a.write_mark("epoch-x", b"one")
+            await a.write_mark("epoch-x", b"two")
+            assert await b.read_marks(["epoch-x", "epoch-y"]) == [b"two", None]
+            # No engine's page call reaches them: their namespace is none an engine can name.
+            assert not valid_namespace(FLEET_NAMESPACE)
+            if backend.kind.startswith("redis"):  # pages expire after storage.redis.ttl; marks do not
+                with contextlib.closing(backend._client()) as c:
+                    assert c.pttl(f"{backend.prefix}:{FLEET_NAMESPACE}:epoch-x") == -1
+            assert a.counters["gets"] == a.counters["misses"] == 0

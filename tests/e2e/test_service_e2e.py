@@ -187,6 +187,13 @@ def test_metrics_endpoint(daemon_factory):
     assert re.search(r'^hicached_backend_attached\{backend="file",state="attached"\} 1\.0$', body, re.M)
     assert 'hicached_backend_latency_seconds_bucket{backend="file",le="+Inf",op="put"}' in body
     assert "hicached_pool_capacity_bytes" in body
+    # A fleet's figures (docs/fleet.md): a node alone has read no other node's page and seen no clear.
+    assert re.search(r"^hicached_l3_other_nodes_pages_total", body, re.M) is None or re.search(
+        r"^hicached_l3_other_nodes_pages_total 0\.0$", body, re.M
+    )
+    assert re.search(r"^hicached_l3_janitor_removed_pages_total 0\.0$", body, re.M)
+    on_disk = re.search(r"^hicached_l3_file_bytes (\S+)$", body, re.M)
+    assert on_disk and float(on_disk.group(1)) >= 2 * PAGE
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
 

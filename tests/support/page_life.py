@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import redis
-from servers import MotoServer, RedisServer, aws_env
+from servers import MotoServer, RedisClusterServers, RedisServer, aws_env
 from stallfs import StallFS, stallfs_available
 
 from hicached import Client
@@ -153,11 +153,16 @@ class L3:
 
 @contextlib.contextmanager
 def open_l3(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holdable: bool) -> Iterator[L3]:
-    """An L3 store of `kind` ("file", "redis", "s3") in tmp_path. Redis and S3 are always behind a
+    """An L3 store of `kind` ("file", "redis", "cluster", "s3") in tmp_path. Redis and S3 are always behind a
     HoldProxy; the file backend is on a StallFS mount if `holdable` (skipped where FUSE cannot mount: it says
-    why), else on a plain directory (hold() then fails)."""
+    why), else on a plain directory (hold() then fails). "cluster" is a three-master Redis Cluster, never
+    held (its MOVED answers name the nodes' own ports, which a proxy in front of one node would not cover):
+    hold() fails, whatever `holdable` says."""
     if kind == "file":
         yield from _file_l3(tmp_path, holdable)
+        return
+    if kind == "cluster":
+        yield from _cluster_l3(tmp_path)
         return
     if kind == "redis":
         server: RedisServer | MotoServer = RedisServer(tmp_path / "redis", extra=("--maxmemory", "0"))
@@ -247,6 +252,30 @@ def _file_l3(tmp_path: Path, holdable: bool) -> Iterator[L3]:
             fs.resume()  # before the daemon stops: its threads may be waiting on the mount
 
 
+def _cannot_hold() -> None:
+    raise AssertionError("a Redis Cluster has no hold: only redis, s3 and a holdable file store have one")
+
+
+def _cluster_l3(tmp_path: Path) -> Iterator[L3]:
+    cluster = RedisClusterServers(tmp_path / "cluster")
+    try:
+        cluster.start()
+        section = {"url": cluster.url, "cluster": True, "prefix": PREFIX}
+        ports = [n.port for n in cluster.nodes]
+        yield L3(
+            "redis",
+            section,
+            section,
+            _cannot_hold,
+            _cannot_hold,
+            lambda: False,
+            lambda ns: set().union(*(_redis_keys(port, ns) for port in ports)),
+            lambda ns: sum(_cluster_node_delete(port, ns) for port in ports),
+        )
+    finally:
+        cluster.stop()
+
+
 def _is_key(name: str) -> bool:
     """A page key as page_keys makes them (the backends' temporary files are named otherwise)."""
     return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
@@ -281,6 +310,17 @@ def _redis_delete(port: int, ns: str) -> int:
     with contextlib.closing(redis.Redis(host=LOOPBACK, port=port)) as c:
         names = _redis_names(c, ns)
         return c.delete(*names) if names else 0
+
+
+def _cluster_node_delete(port: int, ns: str) -> int:
+    """The pages of `ns` that one master of a cluster holds, deleted one by one (a DEL of several keys in
+    other hash slots is refused: CROSSSLOT)."""
+    with contextlib.closing(redis.Redis(host=LOOPBACK, port=port)) as c:
+        names = _redis_names(c, ns)
+        pipe = c.pipeline(transaction=False)
+        for name in names:
+            pipe.delete(name)
+        return sum(pipe.execute()) if names else 0
 
 
 def _s3_objects(server: MotoServer, ns: str) -> list[str]:

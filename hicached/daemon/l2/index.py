@@ -190,6 +190,10 @@ class PageIndex:
         """The entries of one namespace by key, for loops over many keys (read only)."""
         return self._by_ns.get(ns, _NO_ENTRIES)
 
+    def namespaces(self) -> list[str]:
+        """The namespaces with entries in the index."""
+        return [ns for ns, d in self._by_ns.items() if d]
+
     def live(self, entry: Entry) -> bool:
         d = self._by_ns.get(entry.ns)
         return d is not None and d.get(entry.key) is entry

@@ -337,6 +337,17 @@ class PageLife:
             self._unpin(entry)
         self.index.remove(entry)
 
+    def disown(self, entry: Entry) -> None:
+        """A READY page whose namespace was cleared on another node (hicached.daemon.sched.epochs), held now
+        by a load or the backup: owed to L3 no more (never written under the new epoch), not lost; it is
+        forgotten once let go."""
+        entry.dirty = False
+        entry.in_l3 = False
+        self.given_up.discard(entry)
+        self.dropped.discard(entry)
+        self.stranded.discard(entry)
+        self.index.update(entry)
+
     def restored(self, entry: Entry, checksum: int, in_l3: bool, owed: bool) -> bool:
         """A page kept over a restart (hicached.daemon.l2.keep), READY again: owed to L3 as it was. True when
         it is owed (stranded until a backend attaches)."""

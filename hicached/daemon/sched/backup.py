@@ -13,7 +13,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from itertools import groupby
 
 import xxhash
@@ -24,6 +24,8 @@ from hicached.daemon.l2.index import READY, Entry
 from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
+from hicached.daemon.sched.epochs import plain
+from hicached.daemon.sched.origin import KeysWritten
 
 log = logging.getLogger("hicached.backup")
 
@@ -45,8 +47,13 @@ class Backup:
         backoff: Backoff,
         allowed: Callable[[], int] | None = None,
         defer: Callable[[], float] | None = None,
+        stored: Callable[[str], Awaitable[str]] = plain,
+        written: KeysWritten | None = None,
     ) -> None:
         self.life = life
+        self.written = written  # the pages this node wrote to L3 (origin.py): for a metric
+        # The name of a namespace's objects in L3 now (its clear epoch: hicached.daemon.sched.epochs).
+        self.stored = stored
         self.index = life.index
         self.pool = pool
         self.backend = backend  # read at every attempt, so queued work retargets to a swapped backend
@@ -245,9 +252,10 @@ class Backup:
                 checksum = self.life.checksum
                 sums = [checksum(e, v) for e, v in zip(todo, views, strict=True)]
                 epoch = self.backend.epoch
+                name = await self.stored(ns)
                 ok = await self.backend.call(
                     "put",
-                    lambda c, keys=keys, views=views, sums=sums: c.put(ns, keys, views, sums, hold=hold),
+                    lambda c, n=name, ks=keys, vs=views, sums=sums: c.put(n, ks, vs, sums, hold=hold),
                 )
                 if self.backend.epoch != epoch:
                     continue  # written to a store swapped out meanwhile: write them to the new one
@@ -256,6 +264,8 @@ class Backup:
                     if good:
                         self.life.written(e)
                         nbytes += e.size
+                        if self.written is not None:
+                            self.written.add(ns, e.key)
                     else:
                         failed.append(e)
                 self.counters["backup.pages"] += len(todo) - len(failed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from hicached.common.errors import NOT_FOUND, HicachedError
@@ -15,6 +15,7 @@ from hicached.connectors.base import BackendError, Connector
 from hicached.daemon.l2.index import FILLING, READY, Entry, PageIndex
 from hicached.daemon.sched.activity import EngineActivity
 from hicached.daemon.sched.backend import Backend
+from hicached.daemon.sched.epochs import plain
 from hicached.daemon.sched.prefetch import Prefetcher
 from hicached.daemon.sched.session import Handle, Session
 
@@ -38,8 +39,10 @@ class Loads:
         prefetcher: Prefetcher,
         activity: EngineActivity,
         counters: collections.Counter[str],
+        stored: Callable[[str], Awaitable[str]] = plain,
     ) -> None:
         self.cfg = cfg
+        self.stored = stored  # the name of a namespace's objects in L3 now (hicached.daemon.sched.epochs)
         self.index = index
         self.backend = backend
         self.prefetcher = prefetcher
@@ -82,7 +85,8 @@ class Loads:
         if n < len(keys) and self.connector is not None:
             rest = keys[n:]
             try:
-                more = await self.backend.call("exists", lambda c: c.exists(ns, rest))
+                name = await self.stored(ns)
+                more = await self.backend.call("exists", lambda c: c.exists(name, rest))
             except BackendError as e:
                 self.counters[f"lookup.l3_errors.{e.reason}"] += 1
                 more = 0
@@ -106,7 +110,8 @@ class Loads:
         if missing and self.connector is not None:
             rest = [keys[i] for i in missing]
             try:
-                found = await self.backend.call("exists", lambda c: c.present(ns, rest))
+                name = await self.stored(ns)
+                found = await self.backend.call("exists", lambda c: c.present(name, rest))
             except BackendError as e:
                 self.counters[f"lookup.l3_errors.{e.reason}"] += 1
                 found = [False] * len(rest)

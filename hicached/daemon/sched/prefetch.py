@@ -11,6 +11,7 @@ import asyncio
 import collections
 import itertools
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hicached.config.schema import batch_size
@@ -19,6 +20,8 @@ from hicached.daemon.l2.index import Entry
 from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.sched.backend import Backend
+from hicached.daemon.sched.epochs import plain
+from hicached.daemon.sched.origin import KeysWritten
 
 log = logging.getLogger("hicached.prefetch")
 
@@ -41,8 +44,13 @@ class Prefetcher:
         batch_pages: int,
         batch_bytes: int,
         queue_pages: int,
+        stored: Callable[[str], Awaitable[str]] = plain,
+        written: KeysWritten | None = None,
     ) -> None:
         self.life = life
+        # The pages this node wrote to L3 (origin.py): a page read that is not among them is another node's.
+        self.written = written
+        self.stored = stored  # the name of a namespace's objects in L3 now (hicached.daemon.sched.epochs)
         self.index = life.index
         self.pool = pool
         self.backend = backend
@@ -211,6 +219,11 @@ class Prefetcher:
                     # Read while the namespace was being cleared: maybe an object deleted since.
                     self.counters["prefetch.cleared"] += sum(ok)
                     ok = [False] * len(ok)
+                if self.written is not None:
+                    written = self.written
+                    self.counters["prefetch.other_nodes_pages"] += sum(
+                        good and (ns, e.key) not in written for (_, e), good in zip(batch, ok, strict=True)
+                    )
                 for (pos, _), good in zip(batch, ok, strict=True):
                     if not good:
                         req.hole = min(req.hole, pos)
@@ -230,7 +243,8 @@ class Prefetcher:
         views = [pool[e.offset : e.offset + e.size] for e in entries]
         hold = Hold()
         try:
-            return await self.backend.call("get", lambda c: c.get_into(ns, keys, views, hold=hold))
+            name = await self.stored(ns)
+            return await self.backend.call("get", lambda c: c.get_into(name, keys, views, hold=hold))
         except BackendError as e:
             self.counters[f"prefetch.errors.{e.reason}"] += 1
         finally:

@@ -2,24 +2,23 @@
 
 A front over parts built here and handed their dependencies: the pages' lifecycle (hicached.daemon.l2.life),
 stores (stores.Stores), lookups and loads (loads.Loads), what L3 is owed (losses.L3Debt), the write policy
-(writeback.WritePolicy), the backup and the prefetcher, and the tenants' arenas. Sessions, prefetch handles,
-clear, pins and stats are here. Engine-facing state lives in a Session per connection (its namespace,
+(writeback.WritePolicy), the backup and the prefetcher, the tenants' arenas, each namespace's clear epoch
+in the shared L3 (epochs.Epochs) and clears (clears.Clears). Sessions, prefetch handles, pins and stats are
+here. Engine-facing state lives in a Session per connection (its namespace,
 leases, slots being written, prefetch handles); closing a session releases all of it, whatever the engine
 did.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
-import time
 from typing import Any
 
 from hicached.common.errors import BAD_REQUEST, HicachedError
 from hicached.common.retry import Backoff
 from hicached.config import Config
-from hicached.connectors.base import BackendError, Connector
+from hicached.connectors.base import Connector
 from hicached.daemon.l2.index import READY, Entry, PageRecords
 from hicached.daemon.l2.life import PageLife
 from hicached.daemon.l2.pool import Pool
@@ -28,8 +27,11 @@ from hicached.daemon.sched.activity import EngineActivity
 from hicached.daemon.sched.arenas import Arenas
 from hicached.daemon.sched.backend import Backend
 from hicached.daemon.sched.backup import Backup
+from hicached.daemon.sched.clears import Clears
+from hicached.daemon.sched.epochs import Epochs
 from hicached.daemon.sched.loads import Loads
 from hicached.daemon.sched.losses import L3Debt
+from hicached.daemon.sched.origin import KeysWritten
 from hicached.daemon.sched.prefetch import Prefetcher
 from hicached.daemon.sched.reports import EveryMinute
 from hicached.daemon.sched.session import Handle, Session
@@ -81,6 +83,16 @@ class Tiers:
         self.index = self.life.index
         self.namespaces: dict[str, int] = {}
         st = cfg.storage
+        # Each namespace's clear epoch, shared by the nodes of a fleet through L3: the name of its objects
+        # there, and clears made on other nodes (epochs.py).
+        self.epochs = Epochs(
+            self.backend,
+            self.counters,
+            interval=lambda: self.cfg.storage.epoch_interval,
+            changed=self._cleared_elsewhere,
+            in_l2=self.index.namespaces,
+        )
+        written = KeysWritten()  # which pages read from L3 other nodes stored (a metric: origin.py)
         self.backup = Backup(
             self.life,
             pool,
@@ -93,6 +105,8 @@ class Tiers:
             Backoff.from_config(st.retry),
             allowed=self._backup_calls_allowed,
             defer=self._backup_defer,
+            stored=self.epochs.stored,
+            written=written,
         )
         self.prefetcher = Prefetcher(
             self.life,
@@ -103,6 +117,8 @@ class Tiers:
             st.prefetch_batch_pages,
             st.prefetch_batch_bytes,
             st.prefetch_queue_pages,
+            stored=self.epochs.stored,
+            written=written,
         )
         dropped = EveryMinute(self.counters, "backup.dropped", logging.WARNING)
         self.policy = WritePolicy(cfg, self.index, self.backup, self.backend, self.activity, dropped)
@@ -110,7 +126,12 @@ class Tiers:
         self.stores = Stores(
             cfg, self.life, self.backup, self.backend, self.policy, self.activity, self.counters
         )
-        self.loads = Loads(cfg, self.index, self.backend, self.prefetcher, self.activity, self.counters)
+        self.loads = Loads(
+            cfg, self.index, self.backend, self.prefetcher, self.activity, self.counters, self.epochs.stored
+        )
+        self.clears = Clears(
+            lambda: self.cfg, self.life, self.backend, self.prefetcher, self.epochs, self.counters
+        )
         # The requests of each part, as the server and the region service call them.
         self.alloc = self.stores.alloc
         self.commit = self.stores.commit
@@ -131,6 +152,7 @@ class Tiers:
         self.prefetch = self.loads.prefetch
         self.wait = self.loads.wait
         self.release_held = self.loads.release_held
+        self.clear = self.clears.clear
         self.flush = self.debt.flush
         self.flush_dirty = self.debt.flush_dirty
         self.not_in_l3 = self.debt.not_in_l3
@@ -176,6 +198,9 @@ class Tiers:
     def _detached(self) -> None:
         self.debt.backend_detached()
 
+    def _cleared_elsewhere(self, ns: str) -> None:
+        self.clears.cleared_elsewhere(ns)
+
     def _short(self, nbytes: int, arena: int) -> int:
         return self.policy.backlog_full(nbytes, arena)
 
@@ -210,8 +235,11 @@ class Tiers:
         self.backup.start()
         self.prefetcher.start()
         self.policy.start()
+        self.epochs.start()
 
     async def stop(self) -> None:
+        await self.epochs.stop()
+        await self.clears.stop()
         await self.policy.stop()
         await self.prefetcher.stop()
         await self.backup.stop()
@@ -237,6 +265,7 @@ class Tiers:
             if s.writing:  # keyed by key alone: pages being written for the old namespace are let go
                 self._abandon_writing(s)
         s.ns, s.page_bytes = ns, page_bytes
+        self.epochs.using(ns)
         return {"slot_bytes": slot_size(page_bytes)}
 
     def _unreserve(self, s: Session) -> None:
@@ -263,62 +292,6 @@ class Tiers:
         s.handles.clear()
         self._abandon_writing(s)
         self._unreserve(s)
-
-    # Clear.
-
-    async def clear(self, s: Session) -> dict[str, Any]:
-        """Forgets every page of the session's namespace, in L2 and in L3 (an engine's `clear()`: SGLang's
-        clear_hicache_storage, after which no page stored before it may be served; a weight update under
-        the same model name needs it). Taken in the namespace the session has now.
-
-        L2: each page leaves the index as soon as nothing holds it: at once for most; a page an engine is
-        loading, that the backup is writing or that is being read from L3 once that ends (waited for up to
-        server.request_timeout; what is still held then is counted in `busy` and stays). Pages given up
-        here are not lost: the engine asked for them to go. L3: every object of the namespace is deleted.
-        Reads from L3 of the namespace that overlap the clear are dropped (misses), so that an object read
-        just before its deletion does not come back. Pages stored while the clear runs are new and stay in
-        L2, though their copies in L3 may go with the others (misses once they leave L2, never wrong)."""
-        s.require_hello()
-        ns = s.ns
-        self.prefetcher.forgetting(ns, True)
-        try:
-            out: dict[str, Any] = {"l2": 0, "busy": 0, "l3": 0}
-            todo = list(self.index.ns_entries(ns).values())
-            deadline = time.monotonic() + self.cfg.server.request_timeout
-            while todo:
-                held = []
-                for e in todo:
-                    if not self.index.live(e):
-                        continue
-                    if e.state == READY and not e.leases:
-                        self.life.forget(e)
-                        out["l2"] += 1
-                    else:
-                        held.append(e)
-                todo = held
-                if todo and time.monotonic() >= deadline:
-                    out["busy"] = len(todo)
-                    break
-                if todo:
-                    await asyncio.sleep(0.005)
-            if self.connector is not None:
-                try:
-                    # A namespace may be many objects (a thousand a request on S3): the request's bound, not
-                    # one page operation's.
-                    timeout = max(self.cfg.storage.operation_timeout, self.cfg.server.request_timeout)
-                    out["l3"] = await self.backend.call("clear", lambda c: c.clear_namespace(ns), timeout)
-                except BackendError as e:
-                    self.counters[f"clear.l3_errors.{e.reason}"] += 1
-                    out["l3"], out["error"] = None, f"{e.reason}: {e}"
-            elif self.cfg.storage.backend != "none":
-                out["l3"], out["error"] = None, "detached: no L3 backend attached, nothing deleted there"
-        finally:
-            self.prefetcher.forgetting(ns, False)
-        self.counters["clear.requests"] += 1
-        self.counters["clear.l2_pages"] += out["l2"]
-        self.counters["clear.l3_objects"] += out["l3"] or 0
-        log.info("namespace %s cleared by %s: %s", ns, s.peer or "an engine", out)
-        return out
 
     # Recency.
 

@@ -50,6 +50,11 @@ _COUNTERS = {
     # those, the ones that left L2 before reaching L3.
     "backup.dropped": ("hicached_backup_dropped_pages_total", {}),
     "backup.dropped_gone": ("hicached_backup_dropped_gone_pages_total", {}),
+    # The fleet (nodes sharing one L3): pages read from L3 that another node stored (as far as this node can
+    # tell: hicached.daemon.sched.origin), and clears made here or seen from other nodes (epochs.py).
+    "prefetch.other_nodes_pages": ("hicached_l3_other_nodes_pages_total", {}),
+    "fleet.clears_made": ("hicached_fleet_clears_total", {"origin": "this_node"}),
+    "fleet.clears_seen": ("hicached_fleet_clears_total", {"origin": "other_node"}),
 }
 
 
@@ -106,6 +111,24 @@ class DaemonCollector(Collector):
                     misfit.add_metric([key.removeprefix("misfit.")], value)
             yield corrupt
             yield misfit
+            if tiers.connector.name == "file":  # the file backend's bound (storage.file.max_bytes)
+                c = tiers.connector.counters
+                for name, doc, key in (
+                    (
+                        "hicached_l3_janitor_removed_pages",
+                        "L3 pages removed by this node's janitor",
+                        "evictions",
+                    ),
+                    ("hicached_l3_janitor_removed_bytes", "Bytes of those pages", "evicted_bytes"),
+                ):
+                    family = CounterMetricFamily(name, doc)
+                    family.add_metric([], c.get(key, 0))
+                    yield family
+                yield GaugeMetricFamily(
+                    "hicached_l3_file_bytes",
+                    "Bytes under the file backend's root, all nodes' (an estimate between scans)",
+                    value=tiers.connector.stored_bytes,
+                )
         idx = tiers.index
         evictions = CounterMetricFamily("hicached_evictions", "Pages evicted from L2")
         evictions.add_metric([], idx.counters.get("evictions", 0))
