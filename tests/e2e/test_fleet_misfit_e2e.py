@@ -1,7 +1,7 @@
 """Nodes of a fleet share one L3 (DESIGN.md): a node whose engines use another page size for a namespace the
 others use reads their pages as misses, and leaves them there. Regression (#29): it read them as corrupt and
 deleted them, 0 of 48 surviving. Real daemons (subprocesses) on each real store: the file backend's root, a
-redis-server, moto's S3 (tests/support/page_life.py)."""
+redis-server, a Redis Cluster, moto's S3 (tests/support/page_life.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ TOKENS = 16
 N = 48
 
 
-@pytest.fixture(params=["file", "redis", "s3"])
+@pytest.fixture(params=["file", "redis", "cluster", "s3"])
 def l3(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch):
     with open_l3(request.param, tmp_path, monkeypatch, holdable=False) as store:
         yield store
