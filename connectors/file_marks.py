@@ -8,7 +8,7 @@ import contextlib
 import os
 
 from .base import FLEET_NAMESPACE, MAX_MARK
-from .file_layout import DIR_FLAGS, READ_FLAGS, TMP_FLAGS
+from .file_layout import READ_FLAGS, TMP_FLAGS, make_shard, open_dir
 
 FLEET_DIR = FLEET_NAMESPACE
 MARKS = (FLEET_DIR, "marks")
@@ -17,7 +17,7 @@ MARKS = (FLEET_DIR, "marks")
 def read(root: int, names: list[str]) -> list[bytes | None]:
     """Each mark's value beneath the root (an fd), None where there is none."""
     try:
-        fd = _open(root, make=False)
+        fd = open_dir(root, MARKS)
     except FileNotFoundError:
         return [None] * len(names)
     try:
@@ -41,7 +41,7 @@ def write(root: int, name: str, value: bytes, tag: str, fsync: bool) -> None:
     """Replaces the mark `name` with `value`: written under a temporary name, then renamed over it."""
     if len(value) > MAX_MARK:
         raise ValueError(f"a mark holds at most {MAX_MARK} bytes")
-    fd = _open(root, make=True)
+    fd = make_shard(root, MARKS)
     tmp = f".{name}.{tag}.tmp"
     try:
         f = os.open(tmp, TMP_FLAGS, 0o600, dir_fd=fd)
@@ -58,21 +58,3 @@ def write(root: int, name: str, value: bytes, tag: str, fsync: bool) -> None:
         raise
     finally:
         os.close(fd)
-
-
-def _open(root: int, make: bool) -> int:
-    """root/.fleet~/marks opened (O_PATH) one level at a time, never through a symlink; made if `make`."""
-    fd = root
-    try:
-        for part in MARKS:
-            if make:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o700, dir_fd=fd)
-            fd, parent = os.open(part, DIR_FLAGS, dir_fd=fd), fd
-            if parent != root:
-                os.close(parent)
-    except BaseException:
-        if fd != root:
-            os.close(fd)
-        raise
-    return fd
