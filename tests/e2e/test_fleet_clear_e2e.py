@@ -91,33 +91,52 @@ def test_a_clear_on_one_node_holds_on_every_node(daemon_factory, l3) -> None:
 def test_pages_kept_over_a_restart_meet_a_clear_made_while_the_node_was_down(
     daemon_factory, systemd, tmp_path, monkeypatch
 ) -> None:
-    """A node that keeps its L2 over a restart (systemd's fd store) while another node clears the
-    namespace: the kept pages are of unknown age, so a clear of their namespace forgets them. Kept pages of
-    a namespace never cleared are served as before."""
+    """A node that keeps its L2 over a restart (systemd's fd store) hands the next daemon the clear epochs it
+    knew with its pages: kept pages of a namespace cleared long before they were stored are served again,
+    and those of a namespace another node cleared while this one was down are forgotten."""
     rng = random.Random(2931)
     keys = page_keys([rng.randrange(1 << 17) for _ in range(8 * TOKENS)], TOKENS)
     pages = {k: rng.randbytes(PAGE) for k in keys}
     with open_l3("file", tmp_path, monkeypatch, holdable=False) as l3:
         storage = {**l3.storage(direct=True), "epoch_interval": f"{int(INTERVAL * 1000)}ms"}
+        mark = Path(storage["file"]["root"], FLEET_NAMESPACE, "marks", epochs.mark_name(NS))
+
+        def age_the_clear() -> None:  # recorded as made a minute ago: older than any restart here
+            epoch, _ = epochs.decode(mark.read_bytes())
+            mark.write_bytes(epochs.encode(epoch, time.time() - 60))
+
         b = systemd({"storage": storage})
         with Client(b.socket, NS, PAGE) as cb, Client(b.socket, "fleet.other", PAGE) as other:
+            cb.clear()  # a clear before the pages: the namespace has an epoch
+            age_the_clear()
             assert cb.store(keys, list(pages.values())) == [True] * len(keys)
             assert other.store(keys, list(pages.values())) == [True] * len(keys)
         assert b.ctl("flush")["flushed"]
+
+        def restart() -> None:
+            assert b.stop() == 0, b.log()
+            b.start()
+            assert f"L2 kept over the restart: {2 * len(keys)} pages served again" in b.log(), b.log()
+            reads = b.ctl("stats")["counters"].get("fleet.epoch_reads", 0)
+            wait_for(lambda: b.ctl("stats")["counters"].get("fleet.epoch_reads", 0) > reads, "an epoch read")
+
+        # No clear while it was down: every kept page is served from L2, none read from L3.
+        restart()
+        gets = b.ctl("stats")["backend_counters"]["gets"]
+        assert served(b.socket, keys) == pages
+        stats = b.ctl("stats")
+        assert stats["counters"].get("fleet.clears_seen", 0) == 0 and stats["backend_counters"]["gets"] == gets
+
+        # Another node clears while it is down: the kept pages of that namespace go, the others stay.
         assert b.stop() == 0, b.log()
         a = daemon_factory({"storage": storage}, name="a")
         with Client(a.socket, NS, PAGE) as ca:
             assert ca.clear()["l3"] == len(keys)
-        # Recorded as made a minute ago (a node down that long): older than B's restart by far, not older
-        # than its kept pages, which are of unknown age.
-        mark = Path(storage["file"]["root"], FLEET_NAMESPACE, "marks", epochs.mark_name(NS))
-        epoch, _ = epochs.decode(mark.read_bytes())
-        mark.write_bytes(epochs.encode(epoch, time.time() - 60))
+        age_the_clear()
+        a.stop()
         b.start()
         assert f"L2 kept over the restart: {2 * len(keys)} pages served again" in b.log(), b.log()
         with Client(b.socket, "fleet.other", PAGE) as other:
             assert other.get(keys) == list(pages.values())  # never cleared: kept and served
-        wait_for(
-            lambda: not served(b.socket, keys), "the kept pages of the cleared namespace to go", timeout=30
-        )
+        wait_for(lambda: not served(b.socket, keys), "the cleared namespace's kept pages to go", timeout=30)
         assert b.ctl("stats")["counters"].get("fleet.clears_seen") == 1

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
-from hicached.common.keys import valid_key, valid_namespace
+from hicached.common.keys import stored_namespace, valid_key, valid_namespace, valid_stored_namespace
 from hicached.daemon.l2.index import QUARANTINED, READY, Entry
 from hicached.daemon.l2.slabs import ALIGN, slot_size
 
@@ -96,6 +96,10 @@ class Snapshot:
     inode: int = 0  # of the pool memfd
     l3: str | None = None  # the L3 store in_l3 refers to (repr of its location), None if none attached
     written: float = 0.0  # CLOCK_MONOTONIC when taken (system-wide: comparable across processes)
+    # The clear epoch of each namespace as the daemon knew it (hicached.daemon.sched.epochs): the next one
+    # compares it with the shared L3's, so kept pages of a namespace cleared meanwhile are forgotten, and
+    # those of one cleared before are not. A namespace not here (a crash): its pages are of unknown age.
+    epochs: dict[str, str] = field(default_factory=dict)
 
 
 # The codec: pure functions over bytes.
@@ -118,6 +122,7 @@ def encode(snap: Snapshot) -> bytes:
             "inode": snap.inode,
             "l3": snap.l3,
             "written": snap.written,
+            "epochs": dict(snap.epochs),
             "namespaces": list(names),
             "pages": rows,
         },
@@ -218,8 +223,14 @@ def _check(d: Any) -> Snapshot:
     written = d["written"]
     if not isinstance(written, float):
         raise SnapshotError("the snapshot's time is not a number")
+    epochs = d.get("epochs", {})  # absent from snapshots of daemons before clear epochs
+    if not isinstance(epochs, dict) or not all(
+        valid_namespace(ns) and isinstance(e, str) and valid_stored_namespace(stored_namespace(ns, e))
+        for ns, e in epochs.items()
+    ):
+        raise SnapshotError("the snapshot's clear epochs are malformed")
     return Snapshot(
-        capacity, pool_bytes, slab_bytes, slabs, pages, held, _int(d["inode"], "inode"), l3, written
+        capacity, pool_bytes, slab_bytes, slabs, pages, held, _int(d["inode"], "inode"), l3, written, epochs
     )
 
 
@@ -278,6 +289,7 @@ def take(tiers: Tiers, pool: Pool, l3: str | None, arena: int = 0) -> Snapshot:
         os.fstat(memory.fd).st_ino,
         l3,
         time.clock_gettime(time.CLOCK_MONOTONIC),
+        {ns: e for ns in {p.ns for p in pages} if (e := tiers.epochs.known(ns)) is not None},
     )
 
 
@@ -411,6 +423,7 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool], arena: int = 0) -> Restor
         index.update(entry)
         out.entries.append(entry)
     out.pages = len(out.entries)
+    tiers.epochs.restored({e.ns for e in out.entries}, snap.epochs)
     if held:
         _hold(tiers, snap, held, quarantine, arena)
     tiers.counters["keep.pages"] += out.pages

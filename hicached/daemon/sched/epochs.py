@@ -12,11 +12,12 @@ epoch_interval plus one store call: not from L2 (forgotten), not from L3 (the ol
 a write still in flight to it, or made by a node that has not seen the clear yet, lands where nobody reads,
 and the clearing node deletes that name again once the bound has passed).
 
-A node that first uses a namespace (a hello, or pages kept in L2 over a restart) learns its epoch on the
-first read; a clear recorded as younger than the node's first use of the namespace (less a second of clock
-skew between nodes) means its L2 pages may be older than the clear: they are forgotten too. Pages kept over
-a restart are of unknown age: any clear of their namespace ever recorded forgets them. A store whose
-connector keeps no marks (BackendUnsupported) has node-local clears, as before fleets.
+A node that first uses a namespace (a hello) learns its epoch on the first read; a clear recorded as younger
+than the node's first use of the namespace (less a second of clock skew between nodes) means its L2 pages
+may be older than the clear: they are forgotten too. Pages kept over a restart come with the epochs the
+daemon before knew (hicached.daemon.l2.keep): compared with the store's on the first read. Without them (a
+crash: the index rebuilt from slot headers) they are of unknown age: any clear ever recorded forgets them.
+A store whose connector keeps no marks (BackendUnsupported) has node-local clears, as before fleets.
 """
 
 from __future__ import annotations
@@ -131,6 +132,16 @@ class Epochs:
 
     def known(self, ns: str) -> str | None:
         return self._known.get(ns)
+
+    def restored(self, namespaces: set[str], known: dict[str, str]) -> None:
+        """Pages of `namespaces` were kept over a restart, by a daemon that knew their epochs as `known`:
+        the first read compares with those (a namespace cleared meanwhile is forgotten, one cleared before
+        is not). A namespace missing from `known` (a crash) is of unknown age: any clear forgets it."""
+        for ns in namespaces:
+            if ns in known:
+                self._known.setdefault(ns, known[ns])
+            else:
+                self._first[ns] = 0.0
 
     async def stored(self, ns: str) -> str:
         """The name of `ns`'s objects in L3 now, for a call about to be made. The first time, the epoch is
