@@ -6,7 +6,13 @@ engine (the cascade from its primary tier), then loaded by a second engine, anot
 primary tier (lookups, promotions, until every block is a primary hit). Reported min / median / max: store
 and load throughput, time inside the tier's lookup a key (under vLLM's lock), and scheduler-thread time
 inside the tier a job. Targets (ratios in one run): store and load >= 2x the fs tier; scheduler time a job
-no more than the fs tier's. The GPU worker's copy is played by writing and reading the rows (not timed)."""
+no more than the fs tier's. The GPU worker's copy is played by writing and reading the rows (not timed).
+
+With --step-ms, each run also has a second engine per interval (another process, fresh primary tier) whose
+scheduler steps have a model-execution window of that many ms between them (the scheduler thread sleeps, as
+it waits for the GPU): each step looks every waiting request up and takes those settled, as vLLM's
+scheduler does (a MISS ends a request's prefix; the rest would be recomputed). Reported: the blocks it found
+as hits, and how long the tier answered RETRY for a key (its first lookup to its first HIT or MISS)."""
 
 from __future__ import annotations
 
@@ -148,29 +154,15 @@ READER = """
 import json, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import bench_vllm as b
-print(json.dumps(b.load(*sys.argv[3:7], int(sys.argv[7]))))
+args = (*sys.argv[3:7], int(sys.argv[7]))
+print(json.dumps(b.load_paced(*args, float(sys.argv[8])) if len(sys.argv) > 8 else b.load(*args)))
 """
-
-
-def prefix_lookup(manager: Any, keys: list[bytes], ctx: Any) -> int | None:
-    """As vLLM's scheduler looks a request up (OffloadingConnectorScheduler._maximal_prefix_lookup): every
-    key until a miss, so that the tiers start every lookup at once; the leading hits once none is pending."""
-    from vllm.v1.kv_offload.base import LookupResult
-
-    hits, deferred = 0, False
-    for key in keys:
-        result = manager.lookup(key, ctx)
-        if result is LookupResult.MISS:
-            break
-        hits += result in (LookupResult.HIT, LookupResult.HIT_PENDING)
-        deferred |= result in (LookupResult.RETRY, LookupResult.HIT_PENDING)
-    return None if deferred else hits
 
 
 def load(impl: str, sock: str, fs_root: str, tag: str, blocks: int) -> dict[str, float]:
     """Engine B (run in a process of its own, fresh primary tier): every request's blocks looked up each
     step until all are primary hits (RETRY, then the promotion, then HIT), then checked."""
-    from vllm_rig import Engine
+    from vllm_rig import Engine, prefix_lookup
 
     engine = Engine(f"bench-b-{impl}-{os.getpid()}", [tier_config(impl, sock, fs_root)], chunks=blocks + 64,
                     worker_bytes=BLOCK)  # fmt: skip
@@ -210,15 +202,57 @@ def load(impl: str, sock: str, fs_root: str, tag: str, blocks: int) -> dict[str,
         engine.close()
 
 
-def load_elsewhere(impl: str, sock: str, fs_root: str, tag: str, blocks: int) -> dict[str, float]:
+def load_paced(impl: str, sock: str, fs_root: str, tag: str, blocks: int, step_ms: float) -> dict[str, float]:
+    """Engine B with a model-execution window of `step_ms` between scheduler steps (vllm_rig's
+    paced_lookups: a request settles with the leading hits it has, as vLLM's scheduler would schedule it).
+    The hits are then read and checked."""
+    from vllm.v1.kv_offload.base import LookupResult
+    from vllm_rig import Engine
+
+    engine = Engine(f"bench-p-{impl}-{os.getpid()}", [tier_config(impl, sock, fs_root)], chunks=blocks + 64,
+                    worker_bytes=BLOCK)  # fmt: skip
+    try:
+        reqs = request_keys(tag, blocks)
+        time.sleep(STARTED_S)
+        ctxs = [engine.request(f"paced-{i}") for i in range(len(reqs))]
+        hits = engine.paced_lookups(list(zip(ctxs, reqs, strict=True)), step_ms / 1000, timeout=300)
+        base = base_rows(engine.row)
+        expect = np.empty(engine.row, dtype=np.uint8)
+        for i, keys in enumerate(reqs):
+            rows = engine.read(ctxs[i], keys[: hits[i]]) if hits[i] else []
+            for key, got in zip(keys[::7], rows[::7], strict=False):
+                fill(expect, key, base)
+                assert got == expect.tobytes(), f"{impl}: wrong bytes loaded"
+            engine.finish(ctxs[i])
+        # How long the tier answered RETRY for a key: its first answer to its first HIT or MISS.
+        waits = []
+        for key, answers in engine.tier_answers.items():
+            times = engine.tier_times[key]
+            settled = [t for r, t in zip(answers, times, strict=True) if r is not LookupResult.RETRY]
+            if settled:
+                waits.append((settled[0] - times[0]) * 1e3)
+        waits.sort()
+        label = f"{step_ms:g} ms steps"
+        out = {f"hits, {label}": float(sum(hits))}
+        for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
+            out[f"RETRY ms {name}, {label}"] = waits[min(len(waits) - 1, int(q * len(waits)))] if waits else 0
+        return out
+    finally:
+        engine.close()
+
+
+def load_elsewhere(
+    impl: str, sock: str, fs_root: str, tag: str, blocks: int, step_ms: float | None = None
+) -> dict[str, float]:
     args = [str(SUPPORT), str(ROOT / "bench"), impl, sock, fs_root, tag, str(blocks)]
+    args += [] if step_ms is None else [str(step_ms)]
     out = subprocess.run([sys.executable, "-c", READER, *args], capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"the reading engine failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def one_run(work: Path, blocks: int, run: int) -> dict[str, dict[str, float]]:
+def one_run(work: Path, blocks: int, run: int, steps: list[float]) -> dict[str, dict[str, float]]:
     order = ["fs", "hicached"][run % 2 :] + ["fs", "hicached"][: run % 2]
     root = work / f"d{run}"
     root.mkdir()
@@ -236,6 +270,9 @@ def one_run(work: Path, blocks: int, run: int) -> dict[str, dict[str, float]]:
             os.sync()
         for impl in order:
             out[impl] |= load_elsewhere(impl, d.sock, fs_root, f"{impl}{run}", blocks)
+        for step_ms in steps:
+            for impl in order:
+                out[impl] |= load_elsewhere(impl, d.sock, fs_root, f"{impl}{run}", blocks, step_ms)
     return out
 
 
@@ -253,6 +290,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--mib", type=int, default=512, help="MiB of blocks a run")
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        nargs="*",
+        default=[],
+        help="step intervals (ms) of paced second engines, e.g. 0.5 1 5: their hits and RETRY times",
+    )
     a = parser.parse_args()
     try:
         import torch
@@ -268,13 +312,13 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         for run in range(a.runs):
-            runs.append(one_run(Path(tmp), blocks, run))
-    print(f"\nmin / median / max over {a.runs} runs")
+            runs.append(one_run(Path(tmp), blocks, run, a.step_ms))
+    print(f"\nmin / median / max over {a.runs} runs" + (f" (hits: of {blocks} blocks)" if a.step_ms else ""))
     for impl in ("fs", "hicached"):
         for name in runs[0][impl]:
             vals = [r[impl][name] for r in runs]
             print(
-                f"  {impl:9s} {name:20s} {min(vals):10.1f} {statistics.median(vals):10.1f} {max(vals):10.1f}"
+                f"  {impl:9s} {name:28s} {min(vals):10.1f} {statistics.median(vals):10.1f} {max(vals):10.1f}"
             )
     print(f"\n  {'ratio':52s} {'min':>6s} {'median':>6s} {'max':>6s}  target")
     for label, name, target, higher in RATIOS:

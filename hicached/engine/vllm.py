@@ -41,6 +41,11 @@ logger = logging.getLogger("hicached.engine.vllm")
 DEFAULT_TIMEOUT_S = 30.0  # a request's answer; a cold load waits for L3 up to the daemon's request_timeout
 DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to 30 s
 DEFAULT_IO_THREADS = 4  # jobs in flight at once (the daemon copies on its own threads)
+# How long a key is answered RETRY while the daemon's answer is on its way, then MISS: ~2.5x the longest wait
+# measured for a lookup batch under load (2,048 keys in a step, steps 0.5-5 ms apart, 2 vCPUs shared with
+# other work: 0.12-0.27 s, 0.38 s with no gap between steps; bench_vllm.py --step-ms). Longer than that, the
+# daemon is stuck or overloaded, and the prefill is likely cheaper than the wait.
+DEFAULT_LOOKUP_WAIT_S = 1.0
 
 L2_LOADED = "vllm:kv_offload_hicached_l2_loaded_chunks"
 L3_LOADED = "vllm:kv_offload_hicached_l3_loaded_chunks"
@@ -69,12 +74,13 @@ class HicachedTier(SecondaryTierManager):
     tier registers that file with the daemon once, by fd, and a store or load job is one `store_pages` /
     `load_pages` request: the daemon copies between vLLM's rows and its L2 on its own threads, checksummed,
     and backs them up to L3. Every method runs under vLLM's manager lock and returns at once: jobs run on a
-    few I/O threads, and lookups go to the daemon in one batch a step on a thread of their own. No method
-    raises: with the daemon down, lookups miss and jobs fail, and the daemon is used again once it is back.
+    few I/O threads, and lookups go to the daemon in one batch a step on a thread of their own (a key is
+    RETRY until its answer is back, for `lookup_wait_s` at most, then a MISS, counted). No method raises:
+    with the daemon down, lookups miss at once and jobs fail, and the daemon is used again once it is back.
 
     Tier config keys: `socket` (required: the daemon's socket path), `namespace_prefix` (a tenant's
-    prefix, default none), `timeout_s`, `reconnect_s`, `io_threads`, `locality` (default LOCAL),
-    `enable_kv_events` (BlockStored events for what it stored, when vLLM's KV events are on).
+    prefix, default none), `timeout_s`, `reconnect_s`, `io_threads`, `lookup_wait_s`, `locality` (default
+    LOCAL), `enable_kv_events` (BlockStored events for what it stored, when vLLM's KV events are on).
 
     `medium` is CPU: what the daemon serves comes out of its host-memory L2 (a block only in L3 is read
     into L2 by the daemon first), so vLLM counts these hits as host hits; get_stats splits them by tier.
@@ -93,6 +99,7 @@ class HicachedTier(SecondaryTierManager):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reconnect_s: float = DEFAULT_RECONNECT_S,
         io_threads: int = DEFAULT_IO_THREADS,
+        lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S,
         locality: str | None = None,
         enable_kv_events: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
@@ -100,8 +107,10 @@ class HicachedTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not isinstance(socket, str) or not socket:
             raise ValueError("the hicached tier needs 'socket': the daemon's socket path")
-        if timeout_s <= 0 or reconnect_s <= 0 or int(io_threads) < 1:
-            raise ValueError("timeout_s and reconnect_s must be positive, io_threads at least 1")
+        if min(timeout_s, reconnect_s, lookup_wait_s) <= 0 or int(io_threads) < 1:
+            raise ValueError(
+                "timeout_s, reconnect_s and lookup_wait_s must be positive, io_threads at least 1"
+            )
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
@@ -124,7 +133,12 @@ class HicachedTier(SecondaryTierManager):
             float(timeout_s),
             float(reconnect_s),
         )
-        self._lookups = Lookups(self._daemon.present, f"hicached_lookup_{tier_type}")
+        self._lookups = Lookups(
+            self._daemon.present,
+            lambda: self._daemon.reachable,
+            f"hicached_lookup_{tier_type}",
+            float(lookup_wait_s),
+        )
         self._touches = Touches(
             self._daemon.touch, lambda: self._daemon.reachable, f"hicached_touch_{tier_type}"
         )
@@ -272,8 +286,9 @@ class HicachedTier(SecondaryTierManager):
             ),
             LATE_LOOKUPS: OffloadingCounterMetadata(
                 documentation=(
-                    "Chunk lookups the hicached tier answered as misses because the daemon had not "
-                    "answered by the request's next step (a RETRY is given once at most)."
+                    "Chunk lookups the hicached tier answered as misses because the daemon's answer had "
+                    "not come within lookup_wait_s (the tier answers RETRY until then), or a batch asked "
+                    "longer ago was still unanswered."
                 )
             ),
             CONNECTS: OffloadingCounterMetadata(

@@ -4,17 +4,22 @@ sent in batches the same way (hicached.engine.vllm)."""
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
 MAX_TOUCHES = 65536  # keys waiting to be sent; past it the least recently touched are dropped
+# While the daemon is down, lookups ask for a connection at most this often (the connection's own backoff
+# then decides whether one is tried).
+CONNECT_EVERY_S = 0.05
 
 
 class Phase(enum.Enum):
@@ -32,10 +37,10 @@ class Answer(enum.Enum):
 @dataclass(slots=True)
 class _Probe:
     generation: int
+    deadline: float  # RETRY until then (the clock's seconds), MISS after while no answer came
     phase: Phase = Phase.PENDING
     found: bool | None = None
     requests: set[str] = field(default_factory=set)
-    retried: set[str] = field(default_factory=set)  # requests answered RETRY for this key already
 
 
 Batch = list[tuple[bytes, int]]
@@ -44,22 +49,36 @@ Batch = list[tuple[bytes, int]]
 class Lookups:
     """Per-key probes, as vLLM's AsyncLookupManager keeps them (per-request references, a generation so a
     late answer never lands on a newer probe, mark_miss after a failed load), except that one batch a step
-    carries every request's keys to `resolve`, and that a request is answered RETRY for a key once at most:
-    asked again while the daemon's answer has still not come back (a slow daemon, a short step), the key is
-    a MISS (counted in `late`), never a second RETRY.
+    carries every request's keys to `resolve`, and that the wait is bounded. A key is answered RETRY while
+    the daemon's answer is on its way, for `wait_s` from the first time it was asked; after that it is a
+    MISS (counted in `late`) until the answer lands. A new key is a MISS at once, asked of no one, while
+    `up()` is false (the daemon is down: an empty batch lets `resolve` try to connect again, off the lock),
+    or while a batch posted more than `wait_s` ago is still unanswered (counted in `late`: a key asked now
+    would queue behind it).
 
     All methods but the worker run under vLLM's manager lock; the worker only calls `resolve`."""
 
-    def __init__(self, resolve: Callable[[Sequence[bytes]], Sequence[bool]], name: str) -> None:
+    def __init__(
+        self,
+        resolve: Callable[[Sequence[bytes]], Sequence[bool]],
+        up: Callable[[], bool],
+        name: str,
+        wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._resolve = resolve
+        self._up = up
+        self._wait_s = wait_s
+        self._clock = clock
         self._probes: dict[bytes, _Probe] = {}
         self._req_keys: dict[str, set[bytes]] = {}
         self._batch: Batch = []
         self._generation = 0
-        self._posted = 0  # batches posted and not yet drained
+        self._posted: collections.deque[float] = collections.deque()  # when each batch out was posted
+        self._connect_at = 0.0  # the daemon down: when a lookup may next ask for a connection
         self._todo: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[list[tuple[bytes, int, bool]]] = queue.SimpleQueue()
-        self.late = 0  # keys answered MISS because their batch had not come back by the next step
+        self.late = 0  # lookups answered MISS because the daemon's answer had not come within wait_s
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -68,7 +87,16 @@ class Lookups:
             self._drain()
         probe = self._probes.get(key)
         if probe is None:
-            probe = self._probes[key] = _Probe(self._generation)
+            now = self._clock()
+            if not self._up():
+                if not self._posted and now >= self._connect_at:
+                    self._connect_at = now + CONNECT_EVERY_S
+                    self._post([])
+                return Answer.MISS
+            if self._posted and now - self._posted[0] > self._wait_s:
+                self.late += 1
+                return Answer.MISS
+            probe = self._probes[key] = _Probe(self._generation, now + self._wait_s)
             self._generation += 1
             self._batch.append((key, probe.generation))
         probe.requests.add(req_id)
@@ -78,8 +106,7 @@ class Lookups:
         keys.add(key)
         if probe.found is not None:
             return Answer.HIT if probe.found else Answer.MISS
-        if req_id not in probe.retried:
-            probe.retried.add(req_id)
+        if self._clock() < probe.deadline:
             return Answer.RETRY
         self.late += 1
         return Answer.MISS
@@ -96,13 +123,16 @@ class Lookups:
             probe.phase = Phase.IN_FLIGHT
             posted.append((key, generation))
         if posted:
-            self._posted += 1
-            self._todo.put(posted)
+            self._post(posted)
+
+    def _post(self, batch: Batch) -> None:
+        self._posted.append(self._clock())
+        self._todo.put(batch)
 
     def pending(self) -> bool:
         """Keys wait for the step's end, or for the daemon's answer."""
         self._drain()
-        return bool(self._batch) or self._posted > 0
+        return bool(self._batch) or bool(self._posted)
 
     def mark_miss(self, keys: Collection[bytes]) -> None:
         """A load of these keys failed: answer MISS from now on (vLLM would otherwise promote them again
@@ -118,7 +148,6 @@ class Lookups:
             if probe is None:
                 continue
             probe.requests.discard(req_id)
-            probe.retried.discard(req_id)
             if not probe.requests and probe.phase is not Phase.IN_FLIGHT:
                 del self._probes[key]
 
@@ -130,7 +159,7 @@ class Lookups:
     def _drain(self) -> None:
         while not self._done.empty():  # one reader (the lock's holder): not empty stays not empty
             answers = self._done.get_nowait()
-            self._posted -= 1
+            self._posted.popleft()  # batches come back in the order they were posted (one worker)
             for key, generation, found in answers:
                 probe = self._probes.get(key)
                 if probe is None or probe.generation != generation:
@@ -142,6 +171,7 @@ class Lookups:
                 probe.phase = Phase.RESOLVED
 
     def _work(self) -> None:
+        # An empty batch asks for nothing: `resolve` connects if it can (the daemon was down).
         while (batch := self._todo.get()) is not None:
             keys = [key for key, _ in batch]
             try:

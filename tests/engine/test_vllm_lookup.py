@@ -1,16 +1,36 @@
 """The vLLM tier's lookups (hicached.engine.vllm_lookup): a step's keys resolved in one batch off the caller's
-thread, RETRY once at most for a request and key, per-request references, mark_miss after a failed load; its
-touches queued, coalesced, bounded and sent off the caller's thread."""
+thread, RETRY while the answer is on its way up to a bound in time (a clock the tests move), MISS at once with
+the daemon down, per-request references, mark_miss after a failed load; its touches queued, coalesced,
+bounded and sent off the caller's thread."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from hicached.engine.vllm_lookup import Answer, Lookups, Touches
+from hicached.engine.vllm_lookup import CONNECT_EVERY_S, Answer, Lookups, Touches
 
 HIT, MISS, RETRY = Answer.HIT, Answer.MISS, Answer.RETRY
+WAIT_S = 0.5
+
+
+class Clock:
+    """The lookups' clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lookups(
+    resolve: Callable[[Sequence[bytes]], list[bool]],
+    up: Callable[[], bool] = lambda: True,
+    clock: Clock | None = None,
+) -> Lookups:
+    return Lookups(resolve, up, "test-lookups", WAIT_S, clock or Clock())
 
 
 class Daemon:
@@ -35,9 +55,9 @@ def settled(lookups: Lookups, timeout: float = 30.0) -> None:
         time.sleep(0.001)
 
 
-def test_a_steps_keys_of_every_request_go_in_one_batch_and_retry_once() -> None:
+def test_a_steps_keys_of_every_request_go_in_one_batch() -> None:
     d = Daemon({b"a", b"b"})
-    lk = Lookups(d.resolve, "test-lookups")
+    lk = lookups(d.resolve)
     try:
         assert [lk.lookup(k, "r1") for k in (b"a", b"b", b"c")] == [RETRY] * 3
         assert lk.lookup(b"a", "r2") == RETRY  # another request, same step: shares the probe
@@ -54,26 +74,90 @@ def test_a_steps_keys_of_every_request_go_in_one_batch_and_retry_once() -> None:
         lk.shutdown()
 
 
-def test_an_answer_not_back_by_the_next_step_is_a_miss_never_a_second_retry() -> None:
+def test_a_key_is_retry_step_after_step_until_its_answer_is_back() -> None:
+    """The daemon answers after many steps, within the bound: every lookup until then is RETRY, then HIT (a
+    RETRY once and then a MISS lost every hit of an engine whose steps were shorter than a round trip)."""
     d = Daemon({b"a"})
-    d.gate.clear()  # a slow daemon
-    lk = Lookups(d.resolve, "test-lookups")
+    d.gate.clear()
+    clock = Clock()
+    lk = lookups(d.resolve, clock=clock)
     try:
         assert lk.lookup(b"a", "r1") == RETRY
         lk.flush()
-        assert lk.lookup(b"a", "r1") == MISS and lk.late == 1
-        assert lk.lookup(b"a", "r2") == RETRY  # a request asking for the first time may wait a step
-        assert lk.lookup(b"a", "r2") == MISS and lk.late == 2
+        for _ in range(100):  # steps 0.5 ms apart: 50 ms of a slow daemon
+            clock.now += 0.0005
+            assert lk.lookup(b"a", "r1") == RETRY
+            assert lk.lookup(b"a", "r2") == RETRY  # another request shares the probe and its wait
+            lk.flush()
+        assert len(d.batches) == 0 and lk.pending()
         d.gate.set()
         settled(lk)
-        assert lk.lookup(b"a", "r1") == HIT  # once back, the answer is used
+        assert lk.lookup(b"a", "r1") == HIT and lk.lookup(b"a", "r2") == HIT
+        assert lk.late == 0 and d.batches == [[b"a"]]
+    finally:
+        d.gate.set()
+        lk.shutdown()
+
+
+def test_past_the_bound_a_key_is_a_miss_counted_until_its_answer_lands() -> None:
+    d = Daemon({b"a", b"b"})
+    d.gate.clear()
+    clock = Clock()
+    lk = lookups(d.resolve, clock=clock)
+    try:
+        assert lk.lookup(b"a", "r1") == RETRY
+        lk.flush()
+        clock.now += WAIT_S * 0.99
+        assert lk.lookup(b"a", "r1") == RETRY
+        clock.now += WAIT_S * 0.02  # the bound, from the key's first lookup, has passed
+        assert lk.lookup(b"a", "r1") == MISS
+        assert lk.lookup(b"a", "r2") == MISS  # a request joining now gets no wait the first had not
+        assert lk.late == 2
+        # A new key while a batch older than the bound is unanswered: it would queue behind it, so it is
+        # a MISS at once, asked of no one.
+        assert lk.lookup(b"b", "r3") == MISS and lk.late == 3
+        lk.flush()
+        d.gate.set()
+        settled(lk)
+        assert d.batches == [[b"a"]]
+        assert lk.lookup(b"a", "r1") == HIT  # the answer landed: used from now on
+        assert lk.lookup(b"b", "r3") == RETRY  # the daemon answers again: new keys wait for it
+        lk.flush()
+        settled(lk)
+        assert lk.lookup(b"b", "r3") == HIT and lk.late == 3
+    finally:
+        d.gate.set()
+        lk.shutdown()
+
+
+def test_with_the_daemon_down_a_new_key_is_a_miss_at_once_and_a_connect_is_tried_off_the_lock() -> None:
+    d = Daemon({b"a"})
+    up = threading.Event()
+    clock = Clock()
+    lk = lookups(d.resolve, up=up.is_set, clock=clock)
+    try:
+        assert lk.lookup(b"a", "r1") == MISS  # and an empty batch: resolve([]) connects if it can
+        settled(lk)
+        assert lk.lookup(b"b", "r1") == MISS  # no probe was made: nothing to wait for
+        lk.flush()  # nothing asked of the daemon: no batch
+        settled(lk)
+        assert d.batches == [[]] and lk.late == 0  # a connection asked for once in CONNECT_EVERY_S
+        clock.now += CONNECT_EVERY_S
+        assert lk.lookup(b"a", "r1") == MISS
+        settled(lk)
+        assert d.batches == [[], []]
+        up.set()
+        assert lk.lookup(b"a", "r2") == RETRY
+        lk.flush()
+        settled(lk)
+        assert lk.lookup(b"a", "r2") == HIT and d.batches == [[], [], [b"a"]]
     finally:
         lk.shutdown()
 
 
 def test_a_failed_load_marks_its_keys_missed_and_finished_requests_forget_theirs() -> None:
     d = Daemon({b"a", b"b"})
-    lk = Lookups(d.resolve, "test-lookups")
+    lk = lookups(d.resolve)
     try:
         lk.lookup(b"a", "r1")
         lk.lookup(b"b", "r1")
@@ -93,7 +177,7 @@ def test_a_failed_load_marks_its_keys_missed_and_finished_requests_forget_theirs
 def test_a_probe_whose_requests_finished_in_flight_is_dropped_when_its_answer_lands() -> None:
     d = Daemon({b"a"})
     d.gate.clear()
-    lk = Lookups(d.resolve, "test-lookups")
+    lk = lookups(d.resolve)
     try:
         lk.lookup(b"a", "r1")
         lk.flush()
@@ -118,7 +202,7 @@ def test_a_failing_resolve_turns_into_misses_and_lookups_go_on() -> None:
             raise RuntimeError("a bug")
         return [True] * len(keys)
 
-    lk = Lookups(resolve, "test-lookups")
+    lk = lookups(resolve)
     try:
         lk.lookup(b"a", "r1")
         lk.flush()

@@ -92,6 +92,20 @@ def chain_keys(seed: str, n: int, group: int = 0, hash_len: int = 32) -> list[by
     return keys
 
 
+def prefix_lookup(manager: Any, keys: Sequence[bytes], ctx: ReqContext) -> int | None:
+    """As vLLM's scheduler looks a request up (OffloadingConnectorScheduler._maximal_prefix_lookup): every
+    key until a miss, so that the tiers start every lookup at once; the leading hits once none is pending
+    (None while a key is RETRY or HIT_PENDING: the request waits for a later step)."""
+    hits, deferred = 0, False
+    for key in keys:
+        result = manager.lookup(key, ctx)
+        if result is LookupResult.MISS:
+            break
+        hits += result in (LookupResult.HIT, LookupResult.HIT_PENDING)
+        deferred |= result in (LookupResult.RETRY, LookupResult.HIT_PENDING)
+    return None if deferred else hits
+
+
 def row_bytes_of(key: bytes, nbytes: int) -> bytes:
     """The bytes a block's row holds: the same for a key wherever it is computed."""
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
@@ -115,6 +129,8 @@ class Engine:
         self.row = self.spec.kv_bytes_per_chunk
         self.rows = self.worker.base_tensor.view(self.spec.num_chunks, self.row).numpy().view(np.uint8)
         self.tier_answers: dict[bytes, list[LookupResult]] = {}
+        self.tier_times: dict[bytes, list[float]] = {}  # time.monotonic() of each answer in tier_answers
+        self.step_starts: list[float] = []  # time.monotonic() of each step of paced_lookups
         self.job_results: list[JobResult] = []
         if self.tier is not None:
             self._spy_on_tier_lookups()
@@ -128,6 +144,7 @@ class Engine:
         def lookup(key: bytes, req_context: ReqContext) -> LookupResult:
             result = real_lookup(key, req_context)
             self.tier_answers.setdefault(key, []).append(result)
+            self.tier_times.setdefault(key, []).append(time.monotonic())
             return result
 
         def get_finished_jobs() -> list[JobResult]:
@@ -192,6 +209,27 @@ class Engine:
             # The model-execution window: the fs tier's lookup thread, which has_pending_work does not
             # cover, gets the GIL to answer.
             time.sleep(0.005)
+
+    def paced_lookups(
+        self, requests: Sequence[tuple[ReqContext, Sequence[bytes]]], step_s: float, timeout: float = 120.0
+    ) -> list[int]:
+        """vLLM's scheduler over steps with a model-execution window of `step_s` between them (the scheduler
+        thread sleeps, as it waits for the GPU): each step looks up every request not yet settled, then ends
+        (on_schedule_end). A request settles once none of its keys is RETRY or HIT_PENDING, with its leading
+        hits (a MISS ends its prefix: vLLM computes the rest). Returns each request's hits."""
+        hits: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while len(hits) < len(requests):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests still deferred after {timeout}s: {len(hits)} settled")
+            self.step_starts.append(time.monotonic())
+            with self.manager.lock:
+                for i, (ctx, keys) in enumerate(requests):
+                    if i not in hits and (n := prefix_lookup(self.manager, keys, ctx)) is not None:
+                        hits[i] = n
+                self.manager.on_schedule_end(ScheduleEndContext((), ()))
+            time.sleep(step_s)
+        return [hits[i] for i in range(len(requests))]
 
     def read(self, ctx: ReqContext, keys: Sequence[bytes]) -> list[bytes]:
         """primary -> GPU: the rows prepare_load names, read as the worker would copy them."""
