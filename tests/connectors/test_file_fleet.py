@@ -120,8 +120,14 @@ async def test_each_daemon_estimates_the_whole_tree(tmp_path) -> None:
         await wait_until(lambda: b.stored_bytes == 5 * FILE, what="b seeing a's puts")
         assert await b.put(NS, keys[5:], [page(i) for i in range(5, 8)]) == [True] * 3
         assert b.stored_bytes == 8 * FILE
-        await wait_until(lambda: a.stored_bytes == 8 * FILE, what="a seeing b's puts")
+        # At least: a janitor's scan that overlapped b's put counts it twice until the next scan (an
+        # estimate errs high, never low).
+        await wait_until(lambda: a.stored_bytes >= 8 * FILE, what="a seeing b's puts")
         assert await b.delete(NS, keys[:2]) == 2  # a's pages, removed by b
+        while True:  # a scan makes the estimate exact again (another daemon's run may hold the lease)
+            await a.enforce_bound()
+            if not a._skipped:
+                break
         await wait_until(lambda: a.stored_bytes == b.stored_bytes == 6 * FILE, what="both seeing b's deletes")
         assert tree_bytes(a.root) == 6 * FILE
         bound = a.info()["bound"]

@@ -100,7 +100,9 @@ def test_l3_never_holds_another_pages_bytes_under_a_key(tmp_path) -> None:
         for kind, (_, hits, wrong) in results.items():
             assert wrong == 0, f"{kind}: {wrong} of {hits} pages read back from L3 hold another page's bytes"
         exercised.append((op_timeout_ms, timeouts, {k: v[:2] for k, v in results.items()}))
-        if timeouts == 0:
+        if not any(hits for _, hits, _ in results.values()):
+            op_timeout_ms *= 3  # nothing reached L3: at start the backend's probe itself may have timed out
+        elif timeouts == 0:
             op_timeout_ms /= 2
         elif not all(hits for _, hits, _ in results.values()):
             op_timeout_ms *= 3

@@ -162,7 +162,9 @@ class Backend:
             self.counters[f"backend.failures.{conn.name}.stalled"] += 1
             raise BackendUnavailable(conn.name, f"{op} abandoned: the backend stalled", "stalled") from None
         else:
-            if conn is self.current:
+            # A clear epoch's read (a few bytes, hicached.daemon.sched.epochs) says nothing of whether page
+            # calls get through: it neither ends a run of failures nor sets what a typical call takes.
+            if conn is self.current and op != "epoch":
                 self._failures = 0
                 self._typical_add(op, time.perf_counter() - start)
             return result
@@ -174,7 +176,7 @@ class Backend:
                 if task in self._abandoned:  # the connector made the stall's cancel an error of its own
                     self._abandoned.discard(task)
                     task.uncancel()
-            if conn is self.current:
+            if conn is self.current and op != "epoch":  # a mark's read is no sign that pages move
                 self._progress = time.monotonic()
             self._inflight[key] -= 1
             if not self._inflight[key]:
