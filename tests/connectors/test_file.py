@@ -719,6 +719,13 @@ def set_last_use(path: str, when: float) -> None:
     os.utime(path, (when, when))
 
 
+async def janitor_done(conn: FileConnector) -> None:
+    """Waits for the janitor's work to end (without a bound and with no crash leftovers: the scan at start).
+    close() does not wait for a scan's thread, which stops only at its next shard: a scan still walking the
+    tree after close() removes the temporary files a test plants next, for a connector that is gone."""
+    await conn._janitor
+
+
 async def stop_janitor(conn: FileConnector) -> None:
     """Leaves the janitor's work to the test's own enforce_bound() calls, so that runs are deterministic."""
     await conn._scanned.wait()
@@ -792,6 +799,7 @@ async def test_startup_scan_counts_existing_pages_and_removes_stale_temp_files(t
     async with started(tmp_path) as conn:
         await conn.put(NS, [key(i) for i in range(3)], [page(i, PAGE) for i in range(3)])
         shard = os.path.dirname(path_of(conn, key(0)))
+        await janitor_done(conn)  # else its scan may remove `stale` below, and the next daemon count none
     stale, fresh = os.path.join(shard, f".{key(0)}.dead0.tmp"), os.path.join(shard, f".{key(1)}.live0.tmp")
     write_file(stale, b"left by a crash")
     set_last_use(stale, time.time() - 3600)
@@ -815,6 +823,7 @@ async def test_temp_files_of_a_crash_just_before_the_start_are_removed_once_stal
     async with started(tmp_path) as conn:
         await conn.put(NS, [key(0)], [page(0, PAGE)])
         shard = os.path.dirname(path_of(conn, key(0)))
+        await janitor_done(conn)  # else its scan may remove `left` below once stale, uncounted
     left = os.path.join(shard, f".{key(1)}.dead0c7.tmp")
     write_file(left, b"left by a crash")
     monkeypatch.setattr(file_janitor, "STALE_TMP_S", 1.0)
