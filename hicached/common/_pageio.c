@@ -1429,6 +1429,42 @@ static PyObject *fence_enter(PyObject *self, PyObject *args) { return fence_call
 PyDoc_STRVAR(fence_exit_doc, "fence_exit(board, slot) -> None\n\nWhat a copy job does last: count itself out.");
 static PyObject *fence_exit(PyObject *self, PyObject *args) { return fence_call(args, FENCE_OP_EXIT); }
 
+PyDoc_STRVAR(checksums_doc,
+             "checksums(buf, offsets, size, sums) -> None\n\n"
+             "sums[i] = xxh3-64 of buf[offsets[i] : offsets[i] + size] for each i, the GIL released: what a page\n"
+             "header keeps of a page copied into the pool by other means (a CUDA copy). `offsets` and `sums` are\n"
+             "C-contiguous buffers of uint64 of one length, `sums` writable; ValueError for a range outside `buf`.");
+static PyObject *checksums(PyObject *self, PyObject *args) {
+    Py_buffer buf = {0}, off = {0}, sums = {0};
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "y*y*nw*", &buf, &off, &size, &sums)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = off.len / 8;
+    if (off.len % 8 || sums.len != off.len || (uintptr_t)off.buf % 8 || (uintptr_t)sums.buf % 8 || size < 0) {
+        PyErr_SetString(PyExc_ValueError, "offsets and sums must be aligned uint64 buffers of one length");
+        goto done;
+    }
+    const uint64_t *o = off.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (o[i] > (uint64_t)buf.len || (uint64_t)size > (uint64_t)buf.len - o[i]) {
+            PyErr_Format(PyExc_ValueError, "range %zd (offset %llu, %zd bytes) is outside the buffer", i,
+                         (unsigned long long)o[i], size);
+            goto done;
+        }
+    }
+    uint64_t *out_sums = sums.buf;
+    const unsigned char *base = buf.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) out_sums[i] = XXH3_64bits(base + o[i], (size_t)size);
+    Py_END_ALLOW_THREADS
+    out = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&off);
+    PyBuffer_Release(&sums);
+    return out;
+}
+
 PyDoc_STRVAR(copy_ranges_doc,
              "copy_ranges(pool, region, pool_off, region_off, length, to_pool[, page_bytes, sums, guard, fence,\n"
              "            fence_slot]) -> None | bool\n\n"
@@ -1784,6 +1820,7 @@ static PyMethodDef methods[] = {
     {"fence_count", fence_count, METH_VARARGS, fence_count_doc},
     {"fence_enter", fence_enter, METH_VARARGS, fence_enter_doc},
     {"fence_exit", fence_exit, METH_VARARGS, fence_exit_doc},
+    {"checksums", checksums, METH_VARARGS, checksums_doc},
     {NULL, NULL, 0, NULL},
 };
 

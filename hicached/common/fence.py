@@ -37,3 +37,14 @@ def cancel(board: Any, slot: int) -> int:
 def count(board: Any, slot: int) -> int:
     """The count of copy jobs inside the memory for the slot."""
     return _pageio.fence_count(board, slot)
+
+
+def enter(board: Any, slot: int) -> bool:
+    """A copy job that is not one C call (a CUDA job: its copies run on a stream) counts itself in: True
+    when it may copy, False when the request is cancelled (it must copy nothing)."""
+    return bool(_pageio.fence_enter(board, slot))
+
+
+def leave(board: Any, slot: int) -> None:
+    """That job counts itself out, once none of its copies can touch the engine's memory any more."""
+    _pageio.fence_exit(board, slot)

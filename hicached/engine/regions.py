@@ -2,8 +2,8 @@
 tensor or an fd as a `region_attach` request, the side connection that passes a memfd to the daemon, the
 region operations, written once (as generators, like the rest of `_Ops`) for both clients, and the book of
 registered regions that a client registers again after a reconnect, and the fences of a connection's region
-requests (hicached.engine.fences): its board is registered with its first host region, and each
-store_pages / load_pages of a host region names a slot of it."""
+requests (hicached.engine.fences): its board is registered with its first region, and each store_pages /
+load_pages names a slot of it."""
 
 from __future__ import annotations
 
@@ -234,14 +234,10 @@ def _indices(values: Any) -> list[int]:
     return out
 
 
-def _is_cuda(memory: Any) -> bool:
-    return bool(getattr(memory, "is_cuda", False))
-
-
 class RegionOps:
     """The region operations of `_Ops`: no I/O. Needs `token` (from the welcome), `regions` (handle ->
     the memory the client keeps alive while the daemon uses it), and for fences `daemon` (the process the
-    connection's requests go to) and `fences` (its board, made with its first host region)."""
+    connection's requests go to) and `fences` (its board, made with its first region)."""
 
     token: str
     regions: dict[int, Any]
@@ -254,8 +250,7 @@ class RegionOps:
         self, memory: Any, page_bytes: int, segments: Sequence[Sequence[int]] | None, num_pages: int | None
     ) -> Op:
         fields, fd = describe(memory, page_bytes, segments, num_pages)
-        if fd is not None:
-            yield from self._register_board()
+        yield from self._register_board()
         if fd is None:
             try:
                 ans = yield {"op": "region_attach", **fields}
@@ -314,15 +309,15 @@ class RegionOps:
         board.registered = True
 
     def _fence_request(self, req: dict[str, Any]) -> None:
-        """Names a free slot of the board in a store_pages / load_pages of a host region (drivers call it
-        before they send any request); busy when every slot is taken."""
+        """Names a free slot of the board in a store_pages / load_pages (drivers call it before they send
+        any request); busy when every slot is taken."""
         board = self.fences
         if board is None or not board.registered or req.get("op") not in FENCED_OPS or "fence" in req:
             return
         handle = req.get("handle")
         memory = self.regions.get(handle) if isinstance(handle, int) else None
-        if memory is None or _is_cuda(memory):
-            return  # CUDA copies take no fence (hicached.daemon.regions.copier)
+        if memory is None:
+            return
         req["fence"] = board.take()
 
     def _fence_answered(self, req: dict[str, Any]) -> None:

@@ -7,10 +7,10 @@ of memory that is gone); CUDA regions by one thread per device that owns a CUDA 
 (`hicached.daemon.regions.cuda`). Every job is timed from start to end (`hicached.daemon.regions.jobs`), so
 the daemon's watchdog can tell a copy that hangs from one that is merely busy.
 
-A host copy may be fenced (hicached.common.fence): each of its jobs counts itself in and out of the engine's
-fence word in the same C call as the copy, and copies nothing once the engine has cancelled the request.
-CUDA copies are not fenced: their jobs run in hicached.daemon.regions.cuda, which takes no fence, and the
-daemon refuses a fence for a CUDA region rather than promise what it does not do.
+A copy may be fenced (hicached.common.fence): each of its jobs counts itself in and out of the engine's
+fence word, and copies nothing once the engine has cancelled the request. A host job does so in the same C
+call as the copy; a CUDA job counts in before it enqueues a copy and out once its stream's event has been
+waited for (hicached.daemon.regions.cuda).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from hicached.common.errors import UNSUPPORTED, HicachedError
 from hicached.common.geometry import Geometry, Plan, plan, split
@@ -93,14 +92,23 @@ class Copier:
         the pool, the future's result is each page's checksum (xxh3-64, as a page header keeps it), taken
         as it is copied: what the page's bytes must hash to from the moment it enters L2. A host region
         that `may_shrink` is copied guarded: if its memory is gone, the future fails with RegionGone. With
-        `fence` (a host region's: the engine's board and slot), a job that finds the request cancelled
+        `fence` (the engine's board and slot), a job that finds the request cancelled
         copies nothing, and the future fails with CopyCancelled once every job has ended."""
         loop = asyncio.get_running_loop()
         self.requests += 1
         if region.kind == "cuda":
-            batch = Batch(loop, 1)
-            self.cuda().copy(region, to_pool, geom, pages, slots, batch)
-            return self._checksums(batch.future, slots, geom.page_bytes) if to_pool else batch.future
+            cuda = self.cuda()
+            if not to_pool:
+                batch = Batch(loop, 1)
+                cuda.copy(region, False, geom, pages, slots, batch, fence)
+                return batch.future
+            # The copy job, and a checksum job a part (taken as each part's copies end, on other threads).
+            cuda_sums = np.zeros(len(pages), dtype=np.uint64)
+            batch = Batch(loop, 1 + sum(len(part) for part in cuda.parts(len(pages), geom.page_bytes)))
+            cuda.copy(region, True, geom, pages, slots, batch, fence, cuda_sums)
+            cuda_out: asyncio.Future[list[int] | None] = loop.create_future()
+            batch.future.add_done_callback(lambda f: _settle(cuda_out, f, cuda_sums))
+            return cuda_out
         if not to_pool:
             jobs = split(plan(geom, pages, slots), self.threads, SPLIT_MIN_BYTES) if pages else []
             batch = Batch(loop, len(jobs))
@@ -126,41 +134,6 @@ class Copier:
         out: asyncio.Future[list[int] | None] = loop.create_future()
         batch.future.add_done_callback(lambda f: _settle(out, f, sums))
         return out
-
-    def _checksums(
-        self, copied: asyncio.Future[None], slots: list[int], size: int
-    ) -> asyncio.Future[list[int] | None]:
-        """`copied` (a CUDA copy into the pool), followed by the checksums of the slots it filled, hashed on
-        the copy threads once it ended (xxh3 drops the GIL)."""
-        loop = asyncio.get_running_loop()
-        out: asyncio.Future[list[int] | None] = loop.create_future()
-        sums = np.zeros(len(slots), dtype=np.uint64)
-        batch = Batch(loop, 1)
-
-        def after_copy(f: asyncio.Future[None]) -> None:
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-                return
-            batch.future.add_done_callback(lambda h: _settle(out, h, sums))
-            self._host.submit(self._hash_job, batch, slots, size, sums)
-
-        copied.add_done_callback(after_copy)
-        return out
-
-    def _hash_job(self, batch: Batch, slots: list[int], size: int, sums: np.ndarray) -> None:
-        """On a copy thread."""
-        pool = self._pool_arr
-        jid = self.tracker.start()
-        error = None
-        try:
-            if pool is None:
-                raise RuntimeError("the copier is closed")
-            for i, o in enumerate(slots):
-                sums[i] = xxhash.xxh3_64_intdigest(pool[o : o + size])
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        self.tracker.end(jid, 0, error is None)  # bytes: those copied; this job copies none
-        batch.job_done(error)
 
     def _host_job(
         self,
@@ -214,4 +187,5 @@ class Copier:
             "bytes": t.bytes,
             "oldest_running_s": round(t.oldest_age(), 3),
             "cuda_devices": sorted(self._cuda.devices) if self._cuda is not None else [],
+            "cuda_pinned_bytes": self._cuda.pinned_bytes if self._cuda is not None else 0,
         }

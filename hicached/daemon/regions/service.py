@@ -14,10 +14,10 @@ mappings a copy uses are only given back after it ended, even when its connectio
 
 Fences (hicached.common.fence): a connection may register a fence board (`region_attach` with kind
 "fence", its memfd on a side connection as a host region's), and name a word of it in each store_pages /
-load_pages of a host region (`fence: <slot>`). Each copy job counts itself in and out of that word, and
-copies nothing once the engine has cancelled the request (it gave up on the answer and will reuse its
-memory); a request with a job cancelled fails as a whole: a store commits nothing. What an engine writes
-into its own board can only skip or run its own copies.
+load_pages of a region, host or CUDA (`fence: <slot>`). Each copy job counts itself in and out of that
+word, and copies nothing once the engine has cancelled the request (it gave up on the answer and will
+reuse its memory); a request with a job cancelled fails as a whole: a store commits nothing. What an
+engine writes into its own board can only skip or run its own copies.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class RegionService:
         self.inflight = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self._idle: asyncio.Event | None = None
+        # Seconds spent by store_pages / load_pages requests that copied, in three phases: before the copy
+        # (slots, leases, L3 reads), the copy, after it (commit, release); and how many such requests.
+        self.phases: dict[str, list[float]] = {op: [0, 0.0, 0.0, 0.0] for op in ("store_pages", "load_pages")}
         self._cancel_logged = 0.0  # when cancelled copies were last logged
         self._cancel_unlogged = 0  # cancelled copy jobs since
 
@@ -182,10 +185,6 @@ class RegionService:
         if not 0 <= slot < slots:
             raise HicachedError(
                 BAD_REQUEST, f"fence slot {slot} is outside this connection's board of {slots}"
-            )
-        if region.kind != "host":
-            raise HicachedError(
-                BAD_REQUEST, f"region {region.handle} is a {region.kind} region: its copies take no fence"
             )
         return board, slot
 
@@ -351,7 +350,16 @@ class RegionService:
         )
         self._cancel_logged, self._cancel_unlogged = now, 0
 
+    def _timed(self, op: str, t0: float, t1: float, t2: float) -> None:
+        row = self.phases[op]
+        t3 = time.perf_counter()
+        row[0] += 1
+        row[1] += t1 - t0
+        row[2] += t2 - t1
+        row[3] += t3 - t2
+
     async def store_pages(self, s: Session, req: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
         region, pages, keys = self._lookup(s, req, unique=False)
         fence = self._fence(s, req, region)
         status, offsets = self.tiers.alloc(s, keys)
@@ -362,6 +370,7 @@ class RegionService:
         # Out of the engine's reach until the copy ended: an abort, commit or hello meanwhile would free
         # the slots (or make them evictable) while the copy still writes into them.
         held = self.tiers.hold_writing(s, [keys[i] for i in todo])
+        t1 = time.perf_counter()
         try:
             fut = self._start_copy(
                 s, region, True, [pages[i] for i in todo], [offsets[i] for i in todo], fence
@@ -375,13 +384,16 @@ class RegionService:
             if isinstance(e, RegionGone):
                 raise HicachedError(COPY_FAILED, self._drop(s.regions, region)) from None
             raise
+        t2 = time.perf_counter()
         self.tiers.commit_held(s, held, sums)
         for i in todo:
             result[i] = True
         self.counters["store_pages"] += len(todo)
+        self._timed("store_pages", t0, t1, t2)
         return {"ok": result, "copied": len(todo)}  # pages copied; the others were held or not taken
 
     async def load_pages(self, s: Session, req: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
         region, pages, keys = self._lookup(s, req, unique=True)
         fence = self._fence(s, req, region)
         lease, offsets = await self.tiers.acquire(s, keys, arg(req, "fetch", bool, True))
@@ -389,6 +401,7 @@ class RegionService:
             return {"n": 0}
         n = len(offsets)
         self.tiers.hold_lease(s, lease)  # an engine's release of it meanwhile would free slots under the copy
+        t1 = time.perf_counter()
         try:
             await asyncio.shield(self._start_copy(s, region, False, pages[:n], offsets, fence))
         except asyncio.CancelledError:
@@ -398,8 +411,10 @@ class RegionService:
             if isinstance(e, RegionGone):
                 raise HicachedError(COPY_FAILED, self._drop(s.regions, region)) from None
             raise
+        t2 = time.perf_counter()
         self.tiers.release_held(s, lease)
         self.counters["load_pages"] += n
+        self._timed("load_pages", t0, t1, t2)
         return {"n": n}
 
     # Wiring.
@@ -433,6 +448,15 @@ class RegionService:
             "bytes": self.nbytes,
             "inflight": self.inflight,
             "copies_cancelled": self.counters["copies_cancelled"],
+            "phases_s": {
+                op: {
+                    "requests": int(n),
+                    "before_copy": round(a, 6),
+                    "copy": round(b, 6),
+                    "after_copy": round(c, 6),
+                }
+                for op, (n, a, b, c) in self.phases.items()
+            },
             "counters": dict(self.counters),
             "copier": self.copier.stats(),
         }

@@ -5,11 +5,13 @@ with bytes alone. The device thread, pinning and IPC open need a GPU: those test
 from __future__ import annotations
 
 import asyncio
+import mmap
 import random
 
 import pytest
 import torch
 
+from hicached.common import fence
 from hicached.common.errors import HicachedError
 from hicached.common.geometry import Geometry, Segment
 from hicached.daemon.l2.pool import Pool
@@ -38,12 +40,14 @@ GEOMETRIES = {
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 @pytest.mark.parametrize("layout", ["neighbours", "scattered_pages", "scattered_both"])
-def test_copy_pages_on_cpu_tensors(name, layout, monkeypatch):
+@pytest.mark.parametrize("pad", [128, 100, 101])  # the region's size: gathers of 8-, 4- and 1-byte elements
+def test_copy_pages_on_cpu_tensors(name, layout, pad, monkeypatch):
     geom = GEOMETRIES[name]
     monkeypatch.setattr(cuda_copier, "STAGING_MAX", 5 * geom.page_bytes)  # several staging chunks
     rng = random.Random(3)
-    size = geom.extent + 100
+    size = geom.extent + pad
     dev = torch.randint(0, 256, (size + 64,), dtype=torch.uint8)[64:]  # a region with a storage offset
+    assert cuda_copier.element_bytes(dev, geom) == {128: 8, 100: 4, 101: 1}[pad]
     host = torch.zeros(64 * 4096 * 2, dtype=torch.uint8)
     n = 12
     pages = list(range(n)) if layout == "neighbours" else rng.sample(range(geom.num_pages), n)
@@ -182,8 +186,8 @@ class FakeStream:
 
 
 class FakeEvent:
-    def record(self, stream):
-        self.stream = stream
+    def record(self, stream=None):
+        self.stream = stream or FakeStream.made[-1]  # the current stream: the device thread's
 
     def synchronize(self):
         self.stream.pending = 0
@@ -273,4 +277,208 @@ def test_a_failed_pin_takes_the_error_it_left(monkeypatch):
         assert calls == ["register", "take"] and c._pinned == []
         c.host = None
     finally:
+        pool.close()
+
+
+# Fenced CUDA jobs, on the device thread with torch.cuda faked on CPU: the job counts itself in before it
+# enqueues a copy and out only once the stream's copies ended; a cancelled request's job copies nothing.
+
+needs_fences = pytest.mark.skipif(not fence.AVAILABLE, reason="hicached.common._pageio is not built")
+
+
+def fenced_copier(monkeypatch, board, seen):
+    from hicached.daemon.regions.jobs import Tracker
+
+    fake_cuda(monkeypatch)
+
+    def fake_copy(dev, host, geom, pages, slots, to_pool, staging, non_blocking):
+        seen.append(("copy", sum(fence.count(board, s) for s in range(len(board) // 8))))
+        FakeStream.made[0].pending += 1  # copies in flight until the thread waits for its event
+        return len(pages) * geom.page_bytes
+
+    leave = fence.leave
+
+    def leave_seen(b, s):
+        seen.append(("leave", FakeStream.made[0].pending))
+        leave(b, s)
+
+    monkeypatch.setattr(cuda_copier, "copy_pages", fake_copy)
+    monkeypatch.setattr(fence, "leave", leave_seen)
+    pool = Pool(1 << 20, prefault=False)
+    c = cuda_copier.CudaCopier(pool, Tracker())
+    c._pin_tried = True  # nothing to pin: cudart is faked away
+    return pool, c
+
+
+@needs_fences
+async def test_a_fenced_cuda_job_counts_out_only_once_its_copies_ended(monkeypatch):
+    from types import SimpleNamespace
+
+    from hicached.daemon.regions.jobs import Batch
+
+    board, seen = mmap.mmap(-1, 64), []
+    pool, c = fenced_copier(monkeypatch, board, seen)
+    try:
+        for to_pool in (True, False):
+            seen.clear()
+            batch = Batch(asyncio.get_running_loop(), 1)
+            region = SimpleNamespace(device=0, tensor=None)
+            c.copy(region, to_pool, GEOMETRIES["contiguous"], [0, 1], [0, 4096], batch, (board, 3))
+            await asyncio.wait_for(batch.future, 5)
+            assert seen == [("copy", 1), ("leave", 0)]  # inside while it copied; out after the wait
+            assert fence.count(board, 3) == 0
+    finally:
+        await asyncio.to_thread(c.close)
+        pool.close()
+
+
+@needs_fences
+async def test_a_cancelled_cuda_request_copies_nothing(monkeypatch):
+    from types import SimpleNamespace
+
+    from hicached.daemon.regions.jobs import Batch, CopyCancelled
+
+    board, seen = mmap.mmap(-1, 64), []
+    pool, c = fenced_copier(monkeypatch, board, seen)
+    try:
+        assert fence.cancel(board, 5) == 0  # the engine gave up before the job started
+        batch = Batch(asyncio.get_running_loop(), 1)
+        c.copy(
+            SimpleNamespace(device=0, tensor=None),
+            False,
+            GEOMETRIES["contiguous"],
+            [0],
+            [0],
+            batch,
+            (board, 5),
+        )
+        with pytest.raises(CopyCancelled):
+            await asyncio.wait_for(batch.future, 5)
+        assert seen == [] and fence.count(board, 5) == 0
+        # Another slot of the same board is not affected.
+        batch = Batch(asyncio.get_running_loop(), 1)
+        c.copy(
+            SimpleNamespace(device=0, tensor=None),
+            True,
+            GEOMETRIES["contiguous"],
+            [0],
+            [0],
+            batch,
+            (board, 6),
+        )
+        await asyncio.wait_for(batch.future, 5)
+        assert seen == [("copy", 1), ("leave", 0)]
+    finally:
+        await asyncio.to_thread(c.close)
+        pool.close()
+
+
+def test_the_pool_is_pinned_arena_by_arena(monkeypatch):
+    from hicached.daemon.regions.jobs import Tracker
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append((ptr, n))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(cuda_copier, "PIN_CHUNK", 3 << 20)
+    pool = Pool(8 << 20, prefault=False, arenas=[("default", 2 << 20), ("a", 4 << 20), ("b", 2 << 20)])
+    try:
+        c = cuda_copier.CudaCopier(pool, Tracker())
+        c.ensure_pinned()
+        base = c.host.data_ptr()
+        mib = 1 << 20
+        want = [(0, 2 * mib), (2 * mib, 3 * mib), (5 * mib, mib), (6 * mib, 2 * mib)]
+        assert [(p - base, n) for p, n in calls] == want  # never one register across two arenas
+        assert c.pinned_bytes == 8 << 20
+        c._unpin()
+        assert c.pinned_bytes == 0
+        c.host = None
+    finally:
+        pool.close()
+
+
+def cpu_copier(monkeypatch, pool):
+    """A Copier whose CUDA side runs on CPU tensors (torch.cuda faked): its batching, parts and checksums."""
+    from hicached.daemon.regions.copier import Copier
+
+    fake_cuda(monkeypatch)
+    monkeypatch.setattr(cuda_copier._Device, "staging", lambda d, n: torch.empty(n, dtype=torch.uint8))
+    c = Copier(pool, threads=1)
+    c._cuda = cuda_copier.CudaCopier(pool, c.tracker)
+    c._cuda._pin_tried = True
+    return c
+
+
+@pytest.mark.parametrize("c_module", [True, False])
+async def test_a_cuda_store_takes_each_parts_checksums_once_its_copies_ended(monkeypatch, c_module):
+    from types import SimpleNamespace
+
+    import xxhash
+
+    if not c_module:
+        monkeypatch.setattr(cuda_copier, "_pageio", None)
+    monkeypatch.setattr(cuda_copier, "PART_BYTES", 2 * 4096)
+    geom = GEOMETRIES["k_v_halves"]
+    pool = Pool(1 << 20, prefault=False)
+    c = cpu_copier(monkeypatch, pool)
+    try:
+        src = torch.randint(0, 256, (geom.extent,), dtype=torch.uint8)
+        pages = [9, 3, 40, 41, 7, 0, 63]
+        slots = [k * 8192 for k in range(7)]  # 4 parts: 2 + 2 + 2 + 1 pages
+        parts = c._cuda.parts(len(pages), geom.page_bytes)
+        assert [len(part) for part in parts] == [2, 2, 2, 1]  # each part's checksums on two threads
+        assert [h for part in parts for h in part] == [(k, k + 1) for k in range(7)]
+        sums = await asyncio.wait_for(
+            c.copy(SimpleNamespace(kind="cuda", device=0, tensor=src), True, geom, pages, slots), 10
+        )
+        for i, q, got in zip(pages, slots, sums, strict=True):
+            page = page_bytes_of(geom, src, i)
+            assert bytes(pool.mm[q : q + 4096]) == page
+            assert got == xxhash.xxh3_64_intdigest(page)
+    finally:
+        await asyncio.to_thread(c.close)
+        pool.close()
+
+
+async def test_a_cuda_store_failing_in_a_later_part_is_answered_once_every_job_ended(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(cuda_copier, "PART_BYTES", 4096)
+    real = cuda_copier.copy_pages
+    calls = []
+
+    def failing(dev, host, geom, pages, slots, *rest):
+        calls.append(pages)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(dev, host, geom, pages, slots, *rest)
+
+    monkeypatch.setattr(cuda_copier, "copy_pages", failing)
+    geom = GEOMETRIES["contiguous"]
+    pool = Pool(1 << 20, prefault=False)
+    c = cpu_copier(monkeypatch, pool)
+    try:
+        src = torch.randint(0, 256, (geom.extent,), dtype=torch.uint8)
+        with pytest.raises(HicachedError) as e:
+            await asyncio.wait_for(
+                c.copy(
+                    SimpleNamespace(kind="cuda", device=0, tensor=src),
+                    True,
+                    geom,
+                    [1, 2, 3, 4],
+                    [0, 4096, 8192, 12288],
+                ),
+                10,
+            )
+        assert e.value.code == "copy_failed" and "illegal memory access" in e.value.message
+        assert len(calls) == 3  # the fourth part was never issued
+    finally:
+        await asyncio.to_thread(c.close)
         pool.close()
