@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -135,12 +136,28 @@ def slot_runs(slots: list[int], page_bytes: int) -> list[tuple[int, int, int]]:
 def element_bytes(dev: Any, geom: Geometry) -> int:
     """The widest element (8, 4, 2 or 1 bytes) that divides the region's start and size, and each segment's
     offset, length and stride: the gather / scatter of a staged copy moves such elements."""
-    import math
-
     g = math.gcd(dev.storage_offset(), dev.numel(), geom.page_bytes)
     for s in geom.segments:
         g = math.gcd(g, s.offset, s.length, s.stride)
     return next(w for w in (8, 4, 2, 1) if g % w == 0)
+
+
+def uniform_rows(geom: Geometry) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """(L, first row, row stride) of each segment when every segment is L bytes long and starts at a multiple
+    of L on every page (SGLang's and vLLM's layouts): the region is then a table of rows of L bytes, and a
+    page's segments are rows of it, gathered or scattered in one kernel. None otherwise."""
+    L = geom.segments[0].length
+    if any(s.length != L or s.offset % L or s.stride % L for s in geom.segments):
+        return None
+    first = np.array([s.offset // L for s in geom.segments], dtype=np.int64)
+    stride = np.array([s.stride // L for s in geom.segments], dtype=np.int64)
+    return L, first, stride
+
+
+def pieces(n: int, marks: Sequence[int]) -> list[tuple[int, int]]:
+    """[0, n) cut at `marks` (and nowhere else)."""
+    cuts = sorted({0, n, *(m for m in marks if 0 < m < n)})
+    return list(zip(cuts, cuts[1:], strict=False))
 
 
 def copy_pages(
@@ -152,60 +169,87 @@ def copy_pages(
     to_pool: bool,
     staging: Callable[[int], Any],
     non_blocking: bool,
-    index: Any = None,
+    marks: Sequence[int] = (),
+    on_mark: Callable[[int], None] | None = None,
 ) -> int:
     """Issue the copies of one batch between `dev` (the region, 1-D uint8) and `host` (the pool, 1-D uint8)
     on the current stream; returns the bytes moved. Plain torch: it runs on CPU tensors too (tests).
-    `index`: `pages` as an int64 tensor on the region's device, made by the caller before it queued copies
-    (made here, the host would wait for the stream's copies queued before it)."""
+    `marks` (page counts, ascending): once the copies of the batch's first `m` pages are issued, and before
+    any later page's, `on_mark(m)` is called (a store records an event there: its checksums start)."""
     import torch
 
     p = plan(geom, pages, slots)
     P = geom.page_bytes
-    runs = slot_runs(slots, P)
-    if len(p) <= len(runs):
+    n = len(pages)
+    marked = set(marks)
+
+    def mark(k: int) -> None:
+        if on_mark is not None and k in marked:
+            on_mark(k)
+
+    if len(p) <= len(slot_runs(slots, P)):
         # Already as few copies as there are runs of slots (big pages, or neighbours in both places).
-        for r, q, n in zip(p.region_off.tolist(), p.pool_off.tolist(), p.length.tolist(), strict=True):
-            if to_pool:
-                host[q : q + n].copy_(dev[r : r + n], non_blocking=non_blocking)
-            else:
-                dev[r : r + n].copy_(host[q : q + n], non_blocking=non_blocking)
+        for a, b in pieces(n, marks):
+            q = plan(geom, pages[a:b], slots[a:b]) if (a, b) != (0, n) else p
+            for r, o, ln in zip(q.region_off.tolist(), q.pool_off.tolist(), q.length.tolist(), strict=True):
+                if to_pool:
+                    host[o : o + ln].copy_(dev[r : r + ln], non_blocking=non_blocking)
+                else:
+                    dev[r : r + ln].copy_(host[o : o + ln], non_blocking=non_blocking)
+            mark(b)
         return p.nbytes
-    # The gather / scatter kernels move elements as wide as every offset, length and stride allows: byte
-    # elements would take ~8x longer than 8-byte ones.
+    # Staged: the pages gathered on the device into a page-major buffer (or scattered from it), which crosses
+    # PCIe in one copy per run of slots. The gather / scatter moves elements as wide as every offset, length
+    # and stride allows (byte elements take ~8x longer), in one kernel where the segments are uniform.
     w = element_bytes(dev, geom)
     dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[w]
     wide = dev.view(dtype)
-    base = wide.storage_offset()
-    rows = [
-        wide.as_strided((geom.num_pages, s.length // w), (s.stride // w, 1), base + s.offset // w)
-        for s in geom.segments
-    ]
-    within = [sum(s.length for s in geom.segments[:j]) // w for j in range(len(geom.segments))]
+    uniform = uniform_rows(geom)
+    if uniform is not None:
+        L, first, stride = uniform
+        table = wide[: wide.numel() // (L // w) * (L // w)].view(-1, L // w)
+        rows = first[None, :] + np.asarray(pages, dtype=np.int64)[:, None] * stride[None, :]
+        # Made before this job queues any copy: the host waits for the stream's copies queued before it.
+        index = torch.from_numpy(rows.reshape(-1)).to(dev.device)
+        S = len(geom.segments)
+    else:
+        base = wide.storage_offset()
+        seg_rows = [
+            wide.as_strided((geom.num_pages, s.length // w), (s.stride // w, 1), base + s.offset // w)
+            for s in geom.segments
+        ]
+        within = [sum(s.length for s in geom.segments[:j]) // w for j in range(len(geom.segments))]
+        index = torch.tensor(pages, dtype=torch.int64).to(dev.device)
     per = max(1, STAGING_MAX // P)
-    for c0 in range(0, len(pages), per):
-        c1 = min(len(pages), c0 + per)
+    for c0 in range(0, n, per):
+        c1 = min(n, c0 + per)
         m = c1 - c0
         flat = staging(m * P)[: m * P]
         st = flat.view(dtype).view(m, P // w)
-        if index is not None:
-            idx = index[c0:c1]
-        else:
-            idx = torch.tensor(pages[c0:c1], dtype=torch.int64).to(dev.device)
-        chunk = slot_runs(slots[c0:c1], P)
         if to_pool:
-            if len(rows) == 1:
-                torch.index_select(rows[0], 0, idx, out=st)
+            if uniform is not None:
+                torch.index_select(table, 0, index[c0 * S : c1 * S], out=st.view(m * S, L // w))
+            elif len(seg_rows) == 1:
+                torch.index_select(seg_rows[0], 0, index[c0:c1], out=st)
             else:
-                for row, at, s in zip(rows, within, geom.segments, strict=True):
-                    st[:, at : at + s.length // w].copy_(row.index_select(0, idx))
-            for k, n, q in chunk:
-                host[q : q + n * P].copy_(flat[k * P : (k + n) * P], non_blocking=non_blocking)
+                for row, at, s in zip(seg_rows, within, geom.segments, strict=True):
+                    st[:, at : at + s.length // w].copy_(row.index_select(0, index[c0:c1]))
+            for a, b in pieces(n, marks):
+                if b <= c0 or a >= c1:
+                    continue
+                a, b = max(a, c0), min(b, c1)
+                for k, r, q in slot_runs(slots[a:b], P):
+                    at = (a - c0 + k) * P
+                    host[q : q + r * P].copy_(flat[at : at + r * P], non_blocking=non_blocking)
+                mark(b)
         else:
-            for k, n, q in chunk:
-                flat[k * P : (k + n) * P].copy_(host[q : q + n * P], non_blocking=non_blocking)
-            for row, at, s in zip(rows, within, geom.segments, strict=True):
-                row.index_copy_(0, idx, st[:, at : at + s.length // w])
+            for k, r, q in slot_runs(slots[c0:c1], P):
+                flat[k * P : (k + r) * P].copy_(host[q : q + r * P], non_blocking=non_blocking)
+            if uniform is not None:
+                table.index_copy_(0, index[c0 * S : c1 * S], st.view(m * S, L // w))
+            else:
+                for row, at, s in zip(seg_rows, within, geom.segments, strict=True):
+                    row.index_copy_(0, index[c0:c1], st[:, at : at + s.length // w])
     return p.nbytes
 
 
@@ -483,15 +527,14 @@ class CudaCopier:
             self.ensure_pinned()
             if sums is None:
                 return copy_pages(tensor, host, geom, pages, slots, to_pool, d.staging, True)
-            index = torch.tensor(pages, dtype=torch.int64).to(tensor.device)  # before any copy is queued
-            moved, events = 0, []
-            for part in parts:
-                k0, k1 = part[0][0], part[-1][1]
-                moved += copy_pages(
-                    tensor, host, geom, pages[k0:k1], slots[k0:k1], True, d.staging, True, index[k0:k1]
-                )
+            events = []
+
+            def on_mark(k: int) -> None:
                 events.append(torch.cuda.Event())
                 events[-1].record()
+
+            marks = [part[-1][1] for part in parts]
+            moved = copy_pages(tensor, host, geom, pages, slots, True, d.staging, True, marks, on_mark)
             for part, event in zip(parts, events, strict=True):
                 event.synchronize()
                 for h0, h1 in part:

@@ -35,6 +35,12 @@ GEOMETRIES = {
     "contiguous": Geometry(4096, 64, (Segment(0, 4096, 4096),)),
     "k_v_halves": Geometry(4096, 64, (Segment(0, 2048, 2048), Segment(200_000, 2048, 2560))),
     "per_layer": Geometry(4096, 16, tuple(Segment(layer * 20_000, 512, 1024) for layer in range(8))),
+    # [layer][k|v][page] rows of 256 bytes (SGLang's layer_first, vLLM's blocks): one gather kernel.
+    "rows": Geometry(
+        4096,
+        16,
+        tuple(Segment((2 * layer + kv) * 16 * 256, 256, 256) for layer in range(8) for kv in range(2)),
+    ),
 }
 
 
@@ -61,8 +67,11 @@ def test_copy_pages_on_cpu_tensors(name, layout, pad, monkeypatch):
         staged.append(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    moved = copy_pages(dev, host, geom, pages, slots, True, staging, False)
+    marked = []
+    moved = copy_pages(dev, host, geom, pages, slots, True, staging, False, [3, 7, n], marked.append)
     assert moved == n * geom.page_bytes
+    assert marked == [3, 7, n]
+    assert (cuda_copier.uniform_rows(geom) is not None) == (name in ("contiguous", "rows"))
     for i, q in zip(pages, slots, strict=True):
         assert host[q : q + 4096].numpy().tobytes() == page_bytes_of(geom, dev, i)
     # Staging only when it saves copies: not for neighbours in both places (one copy), nor for whole
@@ -454,11 +463,14 @@ async def test_a_cuda_store_failing_in_a_later_part_is_answered_once_every_job_e
     real = cuda_copier.copy_pages
     calls = []
 
-    def failing(dev, host, geom, pages, slots, *rest):
-        calls.append(pages)
-        if len(calls) == 3:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real(dev, host, geom, pages, slots, *rest)
+    def failing(dev, host, geom, pages, slots, to_pool, staging, non_blocking, marks, on_mark):
+        def mark(k):
+            calls.append(k)
+            if len(calls) == 2:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            on_mark(k)
+
+        return real(dev, host, geom, pages, slots, to_pool, staging, non_blocking, marks, mark)
 
     monkeypatch.setattr(cuda_copier, "copy_pages", failing)
     geom = GEOMETRIES["contiguous"]
@@ -478,7 +490,7 @@ async def test_a_cuda_store_failing_in_a_later_part_is_answered_once_every_job_e
                 10,
             )
         assert e.value.code == "copy_failed" and "illegal memory access" in e.value.message
-        assert len(calls) == 3  # the fourth part was never issued
+        assert calls == [1, 2]  # the later parts were never issued
     finally:
         await asyncio.to_thread(c.close)
         pool.close()
