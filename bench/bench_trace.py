@@ -59,6 +59,7 @@ socket = "run/hicached.sock"
 capacity = {capacity}
 slab_size = {slab}
 reserve_per_connection = 0  # no slots held ahead: a store evicts when it stores (trace_sim models that)
+eviction = "{eviction}"
 [storage]
 backend = "{backend}"
 [storage.file]
@@ -173,10 +174,10 @@ def _replay(job: EngineJob, start: Any, go: Any, out: Any) -> dict[str, Any]:
     return c | {"latency": latency, "in_calls": in_calls, "end": now(), "late": late}
 
 
-def config_text(capacity: int, page_bytes: int, l3: str, root: Path) -> str:
+def config_text(capacity: int, page_bytes: int, l3: str, root: Path, eviction: str = "lru") -> str:
     slot = slot_size(page_bytes)  # one slot a slab: the pool holds exactly `capacity` pages
     backend = "file" if l3 == "file" else "none"
-    return CONFIG.format(capacity=capacity * slot, slab=slot, backend=backend, root=root)
+    return CONFIG.format(capacity=capacity * slot, slab=slot, backend=backend, root=root, eviction=eviction)
 
 
 def run_engines(jobs: list[EngineJob], timeout: float) -> tuple[list[dict[str, Any]], float]:
@@ -243,13 +244,14 @@ def replay(
     speedup: float = 0.0,
     prefill_rate: float = 0.0,
     timeout: float = 3600.0,
+    eviction: str = "lru",
 ) -> dict[str, Any]:
     """The trace through a fresh daemon of `capacity` pages: the daemon's counters and the engines' counts."""
     if page_bytes % 8 or page_bytes <= 0:
         raise ValueError("page bytes must be a positive multiple of 8")
     work.mkdir(parents=True, exist_ok=True)
     root = work / "l3"
-    d = benchlib.Daemon(work, config_text(capacity, page_bytes, l3, root))
+    d = benchlib.Daemon(work, config_text(capacity, page_bytes, l3, root, eviction))
     try:
         d.__enter__()
     except RuntimeError:
@@ -277,6 +279,7 @@ def replay(
     l2, l3_hits = counters.get("lookup.l2_hits", 0), counters.get("lookup.l3_hits", 0)
     return {
         "capacity": capacity,
+        "eviction": eviction,
         "engines": engines,
         "route": rule,
         "l3": l3,
@@ -320,8 +323,8 @@ def offline(requests: trace_sim.Requests, capacity: int, maximum: trace_sim.SimR
 
 
 HEAD = (
-    "| L2 pages | L2 hit | L2+L3 hit | max | offline LRU | Belady | dropped before L3 | stores refused "
-    "| p50 ms | p99 ms | blocks/s |"
+    "| L2 pages | eviction | L2 hit | L2+L3 hit | max | offline LRU | Belady | dropped before L3 "
+    "| stores refused | p50 ms | p99 ms | blocks/s |"
 )
 
 
@@ -329,8 +332,9 @@ def row(r: dict[str, Any], o: Offline) -> str:
     l2l3 = f"{r['l2l3_hit_rate']:.3f}" if r["l3"] != "none" else "-"
     dropped = str(r["dropped"]) if r["l3"] != "none" else "-"
     return (
-        f"| {r['capacity']:,} | {r['l2_hit_rate']:.3f} | {l2l3} | {o.max:.3f} | {o.lru:.3f} | {o.belady:.3f} "
-        f"| {dropped} | {r['refused']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['blocks_per_s']:,.0f} |"
+        f"| {r['capacity']:,} | {r['eviction']} | {r['l2_hit_rate']:.3f} | {l2l3} | {o.max:.3f} "
+        f"| {o.lru:.3f} | {o.belady:.3f} | {dropped} | {r['refused']} | {r['p50_ms']:.2f} "
+        f"| {r['p99_ms']:.2f} | {r['blocks_per_s']:,.0f} |"
     )
 
 
@@ -364,6 +368,7 @@ def main() -> int:
     p.add_argument("--json", help="write every figure here too")
     p.add_argument("--sim-only", action="store_true", help="the offline caches alone: no daemon")
     p.add_argument("--dir", help="where the daemons' directories go (default: a temporary one)")
+    p.add_argument("--eviction", default="lru", help="pool.eviction: lru, slru, or both: lru,slru")
     a = p.parse_args()
     trace = trace_sim.read_trace(a.trace)
     if a.limit:
@@ -387,20 +392,20 @@ def main() -> int:
             pace += f", prefill {a.prefill_rate:g} tokens/s"
         print(
             f"{a.engines} engine(s), route {a.route}, pages of {a.page_bytes} bytes, L3 {a.l3}, {pace}\n"
-            f"\n{HEAD}\n|{'---|' * 11}"
+            f"\n{HEAD}\n|{'---|' * 12}"
         )
         with tempfile.TemporaryDirectory(prefix="bench-trace-", dir=a.dir) as tmp:
-            for c in capacities:
+            for c, ev in [(c, ev) for c in capacities for ev in a.eviction.split(",")]:
                 r = replay(
-                    trace, c, Path(tmp) / f"c{c}", a.engines, a.route, a.page_bytes, a.l3, a.speedup,
-                    a.prefill_rate,
+                    trace, c, Path(tmp) / f"c{c}{ev}", a.engines, a.route, a.page_bytes, a.l3, a.speedup,
+                    a.prefill_rate, eviction=ev,
                 )  # fmt: skip
                 print(row(r, sims[c]), flush=True)
                 if a.speedup and r["late_max_s"] > 0.1:
                     print(f"  the engines fell up to {r['late_max_s']:.1f} s behind the trace's times")
                 if r["wrong_bytes"]:
                     print(f"  WRONG BYTES: {r['wrong_bytes']} in {r['wrong_pages']} loaded pages")
-                if a.engines == 1 and a.l3 == "none" and r["l2_hits"] != sims[c].lru_hits:
+                if a.engines == 1 and a.l3 == "none" and ev == "lru" and r["l2_hits"] != sims[c].lru_hits:
                     sim = sims[c].lru_hits
                     print(f"  the daemon's L2 hits ({r['l2_hits']}) differ from the offline LRU's ({sim})")
                 figures.append(r | {"offline": asdict(sims[c])})

@@ -22,6 +22,7 @@ RESTART_REQUIRED = (
     "pool.slab_size",
     "pool.prefault",
     "pool.memory_wait",
+    "pool.eviction",
     "metrics.listen",
     "regions.copy_threads",
     "tenants.*.socket",

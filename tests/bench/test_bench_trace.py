@@ -31,7 +31,7 @@ def test_one_engine_gets_exactly_the_offline_lru(trace, tmp_path) -> None:
     reqs = [r.hash_ids for r in trace]
     lru = trace_sim.lru(reqs, CAPACITY)
     assert lru.refused > 0 and lru.hits > 100  # the trace exercises evictions, refusals and hits
-    r = bench_trace.replay(trace, CAPACITY, tmp_path, engines=1, page_bytes=8192)
+    r = bench_trace.replay(trace, CAPACITY, tmp_path, engines=1, page_bytes=8192, eviction="lru")
     assert (r["wrong_bytes"], r["wrong_pages"]) == (0, 0)
     assert (r["requests"], r["blocks"]) == (len(trace), lru.blocks)
     assert r["loaded"] == r["exists_hits"] == r["l2_hits"]

@@ -66,7 +66,7 @@ VERIFY_SLICE_BYTES = 256 << 20
 HELD_QUARANTINE_S = 5.0
 _HELD_NS = "\0held"  # never a valid namespace: no engine can name these placeholders
 
-_IN_L3, _OWED, _PINNED = 1, 2, 4
+_IN_L3, _OWED, _PINNED, _HOT = 1, 2, 4, 8
 
 
 class SnapshotError(ValueError):
@@ -83,6 +83,7 @@ class KeptPage:
     in_l3: bool
     owed: bool  # acknowledged and owed to L3, not in it yet
     pinned: bool
+    hot: bool = False  # used again since it entered L2 (pool.eviction = "slru": protected)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ def encode(snap: Snapshot) -> bytes:
     for p in snap.pages:
         i = names.setdefault(p.ns, len(names))
         flags = (_IN_L3 if p.in_l3 else 0) | (_OWED if p.owed else 0) | (_PINNED if p.pinned else 0)
+        flags |= _HOT if p.hot else 0
         rows.append((i, p.key, p.offset, p.size, p.checksum, flags))
     body = msgpack.packb(
         {
@@ -207,9 +209,11 @@ def _check(d: Any) -> Snapshot:
             raise SnapshotError(f"the snapshot holds slot {offset} or key {ns}/{key} twice")
         taken.add(offset)
         seen.add((ns, key))
-        flags = _int(flags, "page flags", 0, 8)
+        flags = _int(flags, "page flags", 0, 16)
         pages.append(
-            KeptPage(ns, key, offset, size, _int(checksum, "checksum"), *(bool(flags & f) for f in (1, 2, 4)))
+            KeptPage(
+                ns, key, offset, size, _int(checksum, "checksum"), *(bool(flags & f) for f in (1, 2, 4, 8))
+            )
         )
     held = d["held"]
     for offset in held:
@@ -253,7 +257,7 @@ def take(tiers: Tiers, pool: Pool, l3: str | None, arena: int = 0) -> Snapshot:
     index = tiers.index
     alloc = index.allocs[arena]
     base = alloc.base
-    lru = [e for lst in index.lru_lists() for e in lst.values()]  # each class's least recent first
+    lru = [e for lst in index.lru_lists() for e in lst]  # each class's in eviction order
     # Pages outside the LRU (pinned, owed to L3) first: they were in use more recently than most.
     listed = {id(e) for e in lru}
     ready = [e for e in index.entries.values() if e.state is READY and id(e) not in listed]
@@ -265,7 +269,7 @@ def take(tiers: Tiers, pool: Pool, l3: str | None, arena: int = 0) -> Snapshot:
         if checksum is None:  # taken as each page entered L2; a page without one is hashed now
             checksum = xxhash.xxh3_64_intdigest(pool.slot(e.offset, e.size))
         owed = tiers.life.owed(e)
-        pages.append(KeptPage(e.ns, e.key, e.offset - base, e.size, checksum, e.in_l3, owed, e.pinned))
+        pages.append(KeptPage(e.ns, e.key, e.offset - base, e.size, checksum, e.in_l3, owed, e.pinned, e.hot))
     slabs = [0] * alloc.nslabs
     for cls in alloc.classes.values():
         for slab in cls.slabs:
@@ -418,6 +422,7 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool], arena: int = 0) -> Restor
         # then would be: the attach queues them (Tiers._attached); should they leave L2 first, they count
         # as lost.
         out.owed += tiers.life.restored(entry, p.checksum, p.in_l3, p.owed)
+        entry.hot = entry.hot or p.hot  # filed in the list it left (slru), in the order it left it
         if p.pinned:
             tiers.pin_entry(entry)
         index.update(entry)

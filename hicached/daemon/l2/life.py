@@ -66,8 +66,11 @@ class PageLife:
         lost: Callable[[int], None],
         arena_of: Callable[[str], int] | None = None,
         on_short: Callable[[int, int], int] | None = None,
+        eviction: str = "lru",
     ) -> None:
-        self.index = PageIndex(allocators, arena_of=arena_of, on_remove=self._left, on_short=on_short)
+        self.index = PageIndex(
+            allocators, arena_of=arena_of, on_remove=self._left, on_short=on_short, eviction=eviction
+        )
         self.pool = pool
         self.counters = counters
         self._attached = attached

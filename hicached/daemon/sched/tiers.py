@@ -79,6 +79,7 @@ class Tiers:
             lost=EveryMinute(self.counters, "backup.lost", logging.ERROR, _LOST).add,
             arena_of=self.arenas.arena_of,
             on_short=self._short,
+            eviction=cfg.pool.eviction,
         )
         self.index = self.life.index
         self.namespaces: dict[str, int] = {}

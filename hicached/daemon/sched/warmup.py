@@ -77,7 +77,7 @@ def snapshot(index: PageIndex, limit_bytes: int | Budget) -> list[WarmPage]:
     """Pages worth warming, in the order to warm them: pinned, then most recently used first, each page
     size keeping its share of the list (see _by_share)."""
     pinned = [e for e in index.entries.values() if e.pinned]
-    mru_first = [list(reversed(lru.values())) for lru in index.lru_lists()]
+    mru_first = [lst[::-1] for lst in index.lru_lists()]
     return _take(itertools.chain(pinned, _by_share(mru_first)), _budget(limit_bytes))
 
 
@@ -85,8 +85,7 @@ async def snapshot_async(index: PageIndex, limit_bytes: int | Budget, step: int 
     """The same, giving the event loop a turn every `step` pages (a large pool holds many)."""
     pinned = [e for e in list(index.entries.values()) if e.pinned]
     mru_first = []
-    for lru in index.lru_lists():
-        values = list(lru.values())
+    for values in index.lru_lists():
         await asyncio.sleep(0)
         values.reverse()
         mru_first.append(values)

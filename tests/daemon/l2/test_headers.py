@@ -156,7 +156,7 @@ async def test_scan_brings_back_every_committed_page(tmp_path):
         # Owed to the configured backend (not attached yet): queued for it when it attaches.
         assert t.index.get("ns1", "k5") in t.stranded and t.index.get("ns1", "k3") not in t.stranded
         # The least recently committed first in the LRU, as before the crash.
-        assert [e.key for e in t.index.lru_lists()[0].values()] == [k for k in keys if k != "k4"]
+        assert [e.key for e in t.index.lru_lists()[0]] == [k for k in keys if k != "k4"]
         # The allocator knows the slots taken: a new page gets a slot of its own.
         s = session(t)
         assert write(t, s, ["new"], fill=0xEE) == [True]

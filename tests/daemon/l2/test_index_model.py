@@ -293,6 +293,7 @@ class Harness:
                     "reserve_max_fraction": 0.15,
                     "max_pinned_fraction": 0.2,
                     "writeback_low_watermark": 0.3,
+                    "eviction": "lru" if self.seed % 3 == 2 else "slru",  # both policies' invariants
                 },
                 "server": {"max_prefetch_handles_per_connection": 3},
                 "storage": storage,
@@ -955,14 +956,17 @@ class Harness:
             self.violation("pinned_bytes")
         # LRU and dirty lists.
         lru_ids = set()
-        for cls, lru in idx._lru.items():
-            for e in lru:
-                if e.cls is not cls or id(e) in lru_ids:
-                    self.violation("LRU of the wrong class, or twice")
-                lru_ids.add(id(e))
+        for where, lists in ((1, idx._lru), (2, idx._hot)):
+            for cls, lru in lists.items():
+                for e in lru:
+                    if e.cls is not cls or id(e) in lru_ids or e.in_lru != where:
+                        self.violation("an eviction list of the wrong class, or twice")
+                    lru_ids.add(id(e))
+            if where == 2 and idx.eviction == "lru" and any(lists.values()):
+                self.violation("protected pages under plain LRU")
         for e in live:
             ev = e.state == READY and not e.leases and not e.pinned and not e.dirty
-            if ev != (id(e) in lru_ids) or e.in_lru != ev:
+            if ev != (id(e) in lru_ids) or bool(e.in_lru) != ev:
                 self.violation(
                     f"{e}: evictable={ev} in_lru={e.in_lru} listed={id(e) in lru_ids}"
                     f" dirty={e.dirty} pinned={e.pinned}"

@@ -18,7 +18,7 @@ KEY = "a" * 64
 def _snap(**over) -> Snapshot:
     pages = [
         KeptPage("ns.a", KEY, 0, 65536, 123, True, False, False),
-        KeptPage("ns.a", "b" * 64, 65536, 65536, 2**64 - 1, False, True, True),
+        KeptPage("ns.a", "b" * 64, 65536, 65536, 2**64 - 1, False, True, True, True),
         KeptPage("ns.b", KEY, SLAB, 8192, 7, False, False, False),
     ]
     fields = dict(
