@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from .errors import ConfigError
 from .schema import MAX_CONCURRENCY, Config
-from .tenants import check_tenants
+from .tenants import check_tenants, whole_slabs
 from .units import MiB, parse_duration, parse_size
 
 # A configuration is a few KiB: past this, the path names something else (a log, a core file).
@@ -218,9 +218,10 @@ def _positive(cfg: Any, prefix: str, *names: str) -> None:
             raise ConfigError(_join(prefix, name), f"must be greater than 0, got {getattr(cfg, name)!r}")
 
 
-def _at_most(cfg: Any, prefix: str, name: str, bound: int) -> None:
-    if getattr(cfg, name) > bound:
-        raise ConfigError(_join(prefix, name), f"must be at most {bound}, got {getattr(cfg, name)!r}")
+def _at_most(cfg: Any, prefix: str, bound: int, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) > bound:
+            raise ConfigError(_join(prefix, name), f"must be at most {bound}, got {getattr(cfg, name)!r}")
 
 
 # What names the store of each network backend. Without it in the file the backend is refused, never pointed
@@ -296,6 +297,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             "pool.capacity", f"must hold at least one slab ({p.slab_size} bytes, pool.slab_size)"
         )
+    whole_slabs("pool.capacity", p.capacity, p.slab_size)
     if not 0.0 <= p.writeback_low_watermark < 1.0:
         raise ConfigError("pool.writeback_low_watermark", "must be between 0 and 1")
     if not 0.0 <= p.max_pinned_fraction <= 1.0:
@@ -338,9 +340,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("storage.file.write_nice", "must be between 0 and 19")
     if not 0.0 < st.file.low_watermark < 1.0:
         raise ConfigError("storage.file.low_watermark", "must be between 0 and 1 (a fraction of max_bytes)")
-    for name in ("backup_concurrency", "prefetch_concurrency"):
-        _at_most(st, "storage", name, MAX_CONCURRENCY)
-    _at_most(st.file, "storage.file", "io_threads", MAX_CONCURRENCY)
+    _at_most(st, "storage", MAX_CONCURRENCY, "backup_concurrency", "prefetch_concurrency")
+    _at_most(st.file, "storage.file", MAX_CONCURRENCY, "io_threads")
     r = st.redis
     _positive(r, "storage.redis", "max_connections", "socket_timeout", "connect_timeout")
     if r.ttl < 0:

@@ -32,29 +32,38 @@ MAX_CONCURRENCY = 1024
 
 @dataclass
 class ServerConfig:
+    # The Unix socket engines connect to.
     socket: Path = "run/hicached.sock"
+    # Its mode, set at bind time.
     socket_mode: Mode = 0o660
-    # Engines: peers admitted when their uid OR gid is listed. Empty: no engine besides the operators.
+    # Engines: peers admitted when their uid OR (primary) gid is listed, checked with SO_PEERCRED. Empty: no
+    # engine besides the operators (docs/security.md).
     allowed_uids: list[int] = field(default_factory=list)
     allowed_gids: list[int] = field(default_factory=list)
     # Operators, besides root and the daemon's own uid (always operators): admitted whatever allowed_uids
     # says, and the only peers whose controls change the daemon (reload, drain, backend attach/detach, flush).
     operator_uids: list[int] = field(default_factory=list)
     operator_gids: list[int] = field(default_factory=list)
+    # Bounds per daemon and per connection. Connections still in their handshake count; the short side
+    # connection that registers a host region does not, as it belongs to a connection already counted. A peer
+    # that leaves more than max_frame of answers unread is not read from until it catches up (over all
+    # connections, see max_pending_bytes).
     max_connections: int = 1024
     max_frame: Size = 8 * MiB
     max_keys_per_request: int = 65536
     max_inflight_per_connection: int = 64
     max_prefetch_handles_per_connection: int = 4096
-    # A connection that has sent neither a whole hello nor a whole control request by then is closed: a
-    # peer that connects and sends nothing (or half a frame) cannot hold one of max_connections for ever.
+    # A connection that has sent neither a whole hello nor a whole control request by then is answered
+    # `timeout` and closed: a peer that connects and sends nothing (or half a frame) cannot hold one of
+    # max_connections for ever. An engine idle after its hello, and a control request still running, never
+    # are. Also bounds a region's side connection.
     handshake_timeout: Duration = 5.0
     # Bytes held for unfinished request frames and for answers the peers have not read, over all
     # connections. Without it the bound is max_connections x max_frame x 2 (16GiB at the defaults). 256MiB is
     # 32 frames of max_frame in flight at once: engines send requests of KiBs (a max_keys_per_request
     # request is ~4.5MiB), so only a peer that holds frames open on purpose meets it, and it stays small
     # next to the pool. Past it the daemon stops reading from the connections that hold bytes, and closes
-    # those that keep them longer than request_timeout. At least twice max_frame.
+    # those that keep them longer than request_timeout, the biggest first.
     max_pending_bytes: Size = 256 * MiB
     # Upper bound on how long the daemon waits on anything for one request (L3 reads in a load).
     request_timeout: Duration = 30.0
@@ -62,9 +71,13 @@ class ServerConfig:
 
 @dataclass
 class PoolConfig:
+    # L2's size: shared memory, allocated whole at start when prefault (docs/operations.md, "Memory"). A
+    # whole number of slabs: the pool holds whole slabs only, so a size between two is refused.
     capacity: Size = 1 * GiB
     # Unit of memory handed to a size class; also the largest page the pool accepts.
     slab_size: Size = 32 * MiB
+    # true: the pool is allocated whole at start, and refused when it does not fit in the memory left; false:
+    # it is allocated as it fills, and a pool that does not fit only warns.
     prefault: bool = True
     # At start, a prefaulted pool larger than the memory left waits this long for memory before the daemon
     # gives up: after a restart, engines still mapping the previous daemon's pool hold its memory until
@@ -78,15 +91,18 @@ class PoolConfig:
     # first waiting for slots (one round trip fewer). A store takes up to half of them, so 32 MiB covers a
     # call of 64 pages of 256 KiB. 0 turns it off. Bounded over all connections too.
     reserve_per_connection: Size = 32 * MiB
+    # The bound on those slots over all connections, as a share of the pool.
     reserve_max_fraction: float = 0.125
     # What L2 evicts first (hicached.daemon.l2.index): "lru", or "slru" (segmented LRU with a ghost of
     # recent evictions: pages used again are kept over pages stored once; 1.04-1.07x LRU's hits on the
-    # Mooncake trace, up to 11% fewer on multi-turn traffic: docs/sizing.md). A restart applies a change.
+    # Mooncake trace, up to 11% fewer on multi-turn traffic: choose on your trace, docs/sizing.md).
     eviction: Eviction = "lru"
 
 
 @dataclass
 class RetryConfig:
+    """Backoff for failed backups (and the Redis client's retries)."""
+
     attempts: int = 5
     base: Duration = 0.05
     max: Duration = 5.0
@@ -95,6 +111,8 @@ class RetryConfig:
 
 @dataclass
 class PrefetchConfig:
+    # How a client's `wait` waits for a prefetch: "best_effort" (not at all), "wait_complete", or "timeout"
+    # (timeout_base, plus timeout_per_page for each page still in flight).
     policy: PrefetchPolicy = "timeout"
     timeout_base: Duration = 0.05
     timeout_per_page: Duration = 0.002
@@ -102,6 +120,8 @@ class PrefetchConfig:
 
 @dataclass
 class FileConfig:
+    # One file per page under root/namespace/ab/cd/key, written to a temporary name and renamed; root is
+    # created 0700.
     root: Path = "data"
     # Threads for page reads, and as many for writes. 0: twice the CPUs the daemon may run on, at most 8;
     # pages in the page cache make the I/O CPU-bound, and threads beyond that only contend for the GIL.
@@ -120,6 +140,7 @@ class FileConfig:
     # nice 19 leaves them): with two CPU hogs beside the test suite, backups fell so far behind that L2
     # filled with pages not yet in L3 and stores were refused. Off by default; for nodes with CPUs to spare.
     write_sched_idle: bool = False
+    # true: page files are fsynced when written.
     fsync: bool = False
     # Bound on the bytes of page files under root (0: none), those of every daemon sharing it. Past it, a
     # janitor removes the least recently used pages down to low_watermark * max_bytes; it looks every
@@ -138,13 +159,17 @@ class FileConfig:
 
 @dataclass
 class RedisConfig:
+    # redis://, rediss:// or unix://; the file must set it for the redis backend (no default is used).
     url: str = "redis://127.0.0.1:6379/0"
+    # true: a Redis Cluster (reached over TCP).
     cluster: bool = False
+    # One key per page: {prefix}:{namespace}:{key}, header and payload together.
     prefix: str = "hicached"
     username: str = ""
     password: str = ""
     # Read the password from this environment variable when set (keeps secrets out of the TOML).
     password_env: str = ""
+    # Expiry of the page keys; 0: none.
     ttl: Duration = 0.0
     max_connections: int = 32
     socket_timeout: Duration = 5.0
@@ -157,10 +182,17 @@ class RedisConfig:
 
 @dataclass
 class S3Config:
+    """Credentials come from the standard AWS chain (environment, profile, instance role), never from the
+    TOML."""
+
+    # The file must set it for the s3 backend (no default is used).
     bucket: str = "hicached"
+    # One object per page: {prefix}/{namespace}/{key}.
     prefix: str = "kv"
+    # For S3-compatible stores; empty: AWS.
     endpoint_url: str = ""
     region: str = ""
+    # "path" for most S3-compatible stores.
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     checksum: Literal["when_supported", "when_required"] = "when_required"
     max_connections: int = 32
@@ -188,7 +220,11 @@ class BreakerConfig:
 
 @dataclass
 class StorageConfig:
+    # "none" (L2 only), "file", "redis", "s3" (docs/operations.md, "Backends"). A network backend is used
+    # only where the file names its store: [storage.redis] with url, or [storage.s3] with bucket.
     backend: Backend = "file"
+    # "write_through": every stored page is backed up to L3; "write_back": pages go to L3 on memory pressure
+    # and at shutdown.
     write_policy: WritePolicy = "write_through"
     # Concurrent backend calls per direction, and pages per call: at most *_batch_pages, and no more than
     # fit in *_batch_bytes (at least one). Bigger calls cost less per page; the byte cap keeps a call of big
@@ -207,7 +243,9 @@ class StorageConfig:
     backup_defer: Duration = 0.1
     backup_batch_pages: int = 64
     backup_batch_bytes: Size = 128 * MiB
+    # Bound on the pages queued for backup.
     backup_queue_pages: int = 65536
+    # The same for prefetch (reads from L3 into L2).
     prefetch_concurrency: int = 8
     prefetch_batch_pages: int = 64
     prefetch_batch_bytes: Size = 128 * MiB
@@ -222,6 +260,7 @@ class StorageConfig:
     # new stores False instead. Write-back holds no page for L3 (pages are in L2 only by design).
     max_unbacked_fraction: float = 0.5
     when_backlog_full: BacklogFull = "drop_oldest"
+    # Bound on each backend call.
     operation_timeout: Duration = 10.0
     # A swapped-out backend may finish the calls it has in flight for this long before it is closed.
     drain_timeout: Duration = 30.0
@@ -253,6 +292,7 @@ def batch_size(max_pages: int, max_bytes: int, page_bytes: int) -> int:
 
 @dataclass
 class LoggingConfig:
+    # Of the daemon's log (stderr).
     level: LogLevel = "info"
 
 
@@ -272,6 +312,7 @@ class ShutdownConfig:
 class RegionsConfig:
     # Engine memory regions (host memfds, CUDA tensors) that the daemon copies pages out of and into.
     max_per_connection: int = 64
+    # Bound on the bytes of the regions one connection registers.
     max_bytes_per_connection: Size = 1 * TiB
     # Threads that copy between host regions and L2 (numpy copyto releases the GIL; keep it small).
     copy_threads: int = 2
@@ -283,6 +324,7 @@ class RegionsConfig:
 class WarmupConfig:
     # After a start, refill L2 from L3 with the pages it held before (pinned first), from the warm list.
     enabled: bool = True
+    # Where the warm list is written.
     state_file: Path = "state/warm.msgpack"
     # At most this share of the pool is warmed; the rest is left for what engines ask for.
     max_fraction: float = 0.8
@@ -292,9 +334,11 @@ class WarmupConfig:
 
 @dataclass
 class TenantConfig:
-    """[tenants.NAME]: engines kept apart from the other tenants' (README, "Trust model"). A peer belongs to
-    the first tenant it matches: the socket it came through, then its uid, then its (primary) gid."""
+    """[tenants.NAME]: engines kept apart from the other tenants' (docs/security.md). A peer belongs to the
+    first tenant it matches: the socket it came through, then its uid, then its (primary) gid. Members and
+    namespaces reload; a tenant added or removed waits for a restart."""
 
+    # Members by uid, and by (primary) gid.
     uids: list[int] = field(default_factory=list)
     gids: list[int] = field(default_factory=list)
     # A socket of its own: whoever connects through it is an engine of this tenant (the file's mode is the
@@ -302,7 +346,8 @@ class TenantConfig:
     socket: Path = ""
     # The namespaces its engines may open: exact names, or prefixes ending in '*'. No two tenants' overlap.
     namespaces: list[str] = field(default_factory=list)
-    # Its share of L2, carved out of pool.capacity (required); the default tenant gets what is left.
+    # Its share of L2, carved out of pool.capacity (required), a whole number of slabs; the default tenant
+    # gets what is left.
     capacity: Size = 0
 
 

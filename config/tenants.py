@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 from .errors import ConfigError
 from .schema import MAX_TENANTS, Config
+from .units import exact_size
 
 DEFAULT = "default"  # the tenant of admitted peers that match no [tenants.NAME]
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -44,6 +45,19 @@ def overlap(a: str, b: str) -> bool:
     if pb:
         return matches(b, a)
     return a == b
+
+
+def whole_slabs(key: str, size: int, slab_size: int) -> None:
+    """The pool and each tenant's share of it hold whole slabs only: a size between two would silently
+    lose its last part slab, while check-config and the start-up log said the size asked for."""
+    if size % slab_size:
+        below = size // slab_size * slab_size
+        nearest = " or ".join(f'"{exact_size(n)}"' for n in (below, below + slab_size) if n >= slab_size)
+        raise ConfigError(
+            key,
+            f"{exact_size(size)} is not a whole number of slabs of {exact_size(slab_size)} (pool.slab_size): "
+            f"L2 holds whole slabs only; write {nearest}",
+        )
 
 
 def default_capacity(cfg: Config) -> int:
@@ -83,6 +97,7 @@ def check_tenants(cfg: Config, resolve: Callable[[Config, str], str]) -> None:
             raise ConfigError(
                 f"{at}.capacity", f"must hold at least one slab ({cfg.pool.slab_size} bytes, pool.slab_size)"
             )
+        whole_slabs(f"{at}.capacity", t.capacity, cfg.pool.slab_size)
         if not t.namespaces:
             raise ConfigError(f"{at}.namespaces", "must list the namespaces it may use (names, or prefixes*)")
         for i, pattern in enumerate(t.namespaces):

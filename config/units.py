@@ -82,3 +82,20 @@ def format_size(n: int) -> str:
         if n >= factor:
             return f"{n / factor:.1f}{unit}"
     return f"{n}B"
+
+
+def exact_size(n: int) -> str:
+    """`n` as a size the loader reads back to the same bytes, in the largest unit that divides it."""
+    for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+def exact_duration(s: float) -> str:
+    """`s` seconds as a duration the loader reads back, in ms below a second."""
+    if s == 0:
+        return "0"
+    if s < 1 and round(s * 1000, 6).is_integer():
+        return f"{round(s * 1000)}ms"
+    return f"{s:g}s"

@@ -216,3 +216,28 @@ def test_check_config_and_serve_refuse_a_damaged_file(
     assert "invalid configuration" in r.stderr and words in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()  # serve never got as far as its socket
+
+
+@pytest.mark.parametrize(
+    "capacity, slab, nearest",
+    [
+        ("93744KiB", "32MiB", '"64MiB" or "96MiB"'),
+        ("40MiB", "32MiB", '"32MiB" or "64MiB"'),
+        ("1000000000", "32MiB", '"928MiB" or "960MiB"'),
+        ("1536KiB", "1MiB", '"1MiB" or "2MiB"'),
+    ],
+)
+def test_a_pool_capacity_that_is_not_a_whole_number_of_slabs_is_refused(
+    capacity: str, slab: str, nearest: str
+) -> None:
+    """L2 holds whole slabs only: 93744KiB with 32MiB slabs gave a pool of 64MiB while check-config and the
+    start-up log said 95993856 bytes. The loader names the nearest sizes it would take."""
+    with pytest.raises(ConfigError) as e:
+        from_dict({"pool": {"capacity": capacity, "slab_size": slab}, "storage": {"backend": "none"}})
+    assert e.value.path == "pool.capacity"
+    assert "is not a whole number of slabs" in str(e.value) and f"write {nearest}" in str(e.value)
+
+
+def test_a_pool_capacity_of_whole_slabs_loads() -> None:
+    cfg = from_dict({"pool": {"capacity": "96MiB", "slab_size": "32MiB"}, "storage": {"backend": "none"}})
+    assert cfg.pool.capacity == 3 * cfg.pool.slab_size

@@ -67,6 +67,7 @@ def test_a_tenant_table_loads():
         ({"a": tenant(capacity=None)}, "tenants.a.capacity", "is required"),
         ({"a": tenant(capacity="0")}, "tenants.a.capacity", "is required and positive"),
         ({"a": tenant(capacity="512KiB")}, "tenants.a.capacity", "at least one slab"),
+        ({"a": tenant(capacity="1536KiB")}, "tenants.a.capacity", "not a whole number of slabs of 1MiB"),
         ({"a": tenant(namespaces=["a*b"])}, "tenants.a.namespaces[0]", "neither a namespace"),
         ({"a": tenant(namespaces=["a/b"])}, "tenants.a.namespaces[0]", "neither a namespace"),
         ({"a": tenant(namespaces=[".."])}, "tenants.a.namespaces[0]", "neither a namespace"),
