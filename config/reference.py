@@ -25,17 +25,36 @@ COMMAND = "python -m hicached.config.reference > docs/configuration.md"
 WIDTH = 110
 
 INTRO = f"""\
-# Configuration reference
+# Configuration
 
 <!-- Generated from config/schema.py by `{COMMAND}`:
 edit the schema's comments, not this page; tests/config/test_reference.py fails when the two disagree. -->
 
-Everything lives in one TOML file (`hicached.toml`; `config/hicached.toml` is a commented example). Sizes are
-written `"512MiB"`, `"4GiB"` (or bytes); durations `"500ms"`, `"5s"` (or seconds); modes as octal strings
-(`"0660"`); relative paths resolve against the directory of the file. Unknown keys and bad values are refused
-with the key path (`hicached check-config`). Sizes and durations cannot be negative, and integers are at most
-64 bits. A key marked *restart* keeps its running value on a reload (the reload reports it); a restart
-applies it. The rest a reload applies live.
+Everything lives in one TOML file (`hicached.toml` here; the schema with every default and bound is
+`config/schema.py`). Sizes are written `"512MiB"`, `"4GiB"`; durations `"500ms"`, `"5s"`; relative paths
+resolve against the directory of the file. Unknown keys and bad values are refused with the key path:
+
+```sh
+hicached check-config                  # ./hicached.toml, the file `hicached serve` reads; or give a path
+hicached check-config /etc/hicached/hicached.toml
+```
+
+A file is refused as a whole, with its reason, by `serve` and `check-config` (exit 2) and by a reload
+(see [Reloading](operations.md#reloading-and-swapping-backends)), when it is empty, only white space or
+only comments (the daemon never runs on the built-in defaults because its file was truncated: write at
+least one setting, `[storage] backend = "file"` say);
+holds bytes that are not UTF-8 (the line and column are named); cannot be read, or is a directory or
+another thing than a regular file; is larger than 1 MiB; or is not valid TOML. Integers past 64 bits are
+refused, and so are `storage.backup_concurrency`, `prefetch_concurrency` and `storage.file.io_threads` past
+1024 (each is a task or a thread that a reload starts at once). A `redis` or `s3` backend is used only where
+the file names its store: its section, with `url` (Redis) or `bucket` (S3) set in it
+(see [Backends](operations.md#backends)); the `file` backend keeps its default root, `data`.
+
+`pool.capacity` (and each tenant's `capacity`) must be a whole number of `pool.slab_size` slabs: L2 holds
+whole slabs only, and the loader refuses a size between two, naming the nearest it would take. Sizes and
+durations cannot be negative. A key marked *restart* keeps its running value on a reload (the reload
+reports it); a restart applies it. A reload applies the rest live
+([operations.md](operations.md#reloading-and-swapping-backends)).
 """
 
 

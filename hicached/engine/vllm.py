@@ -1,5 +1,5 @@
 """vLLM 0.33 secondary KV-offload tier backed by the hicached daemon: `HicachedTier`, loaded by vLLM's
-SecondaryTierFactory from `"module_path": "hicached.engine.vllm"` (launch flags: README, vLLM section)."""
+SecondaryTierFactory from `"module_path": "hicached.engine.vllm"` (launch flags: docs/engines.md, "vLLM")."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ class Traffic:
                         assert got == [page_of(k, PAGE) for k in keys[: len(got)]]
                     self.calls += 1
                 except HicachedError as e:
-                    # What the README promises while a daemon stops: a store refused as during a drain.
+                    # What docs/engines.md promises while a daemon stops: a store refused as during a drain.
                     if e.code != "draining":
                         self.errors.append(e)
                 except BaseException as e:

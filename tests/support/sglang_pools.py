@@ -32,7 +32,7 @@ ALLOCATORS = ("default", "shm")
 EXTRA_PACKAGES = "dill apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 loguru gguf"
 
 # The extra config SGLang's `dynamic` loader reads; `allocator` is what pool_host.common.get_allocator_type
-# looks at, the rest is how README.md launches hicached.
+# looks at, the rest is how README.md and docs/engines.md launch hicached.
 _DYNAMIC_CONFIG = {
     "backend_name": "hicached",
     "module_path": "hicached.engine.sglang",

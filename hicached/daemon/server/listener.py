@@ -14,7 +14,7 @@ engines (server.allowed_uids/gids, the members of tenants) get `unauthorized` fo
 daemon. Tenants (hicached.daemon.server.tenants): every peer belongs to one; it is handed its tenant's pool
 memory with the welcome (Tiers.arena), may open only its tenant's namespaces, and sees only its tenant in
 `status` and `stats`. Each tenant socket is listened on beside server.socket: whoever connects through it
-is an engine of that tenant, root included (README, "Trust model").
+is an engine of that tenant, root included (docs/security.md).
 """
 
 from __future__ import annotations
