@@ -52,6 +52,7 @@ class Fleet:
         self.page_bytes, self.batch = page_bytes, batch
         self.keys = [hashlib.sha256(f"fleet/{i}".encode()).hexdigest() for i in range(pages)]
         pool_mib = max(128, pages * page_bytes * 5 // 4 // MiB + 64)
+        pool_mib = -(-pool_mib // 32) * 32  # whole slabs (the loader refuses a part of one)
         overrides = {
             "pool": {"capacity": f"{pool_mib}MiB"},
             "storage": storage,
