@@ -1465,6 +1465,39 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(bloom_doc,
+             "bloom(bits, h, add) -> bool\n\n"
+             "A Bloom filter of two bits a key in `bits` (a writable buffer whose length in bits is a power of\n"
+             "two): the bits at h and at h >> 32 (h a signed 64-bit hash), modulo its length. Whether both were\n"
+             "set; with `add` true, sets them too. What hicached.daemon.l2.index.Ghost does in Python.");
+static PyObject *bloom(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "bloom(bits, h, add) takes 3 arguments");
+        return NULL;
+    }
+    long long sh = PyLong_AsLongLong(args[1]);
+    if (sh == -1 && PyErr_Occurred()) return NULL;
+    int add = PyObject_IsTrue(args[2]);
+    if (add < 0) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_WRITABLE) < 0) return NULL;
+    uint64_t nbits = (uint64_t)b.len * 8;
+    if (b.len <= 0 || (nbits & (nbits - 1)) != 0) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "a Bloom filter's length in bits must be a power of two");
+        return NULL;
+    }
+    uint64_t h = (uint64_t)sh, m = nbits - 1, i = h & m, j = (h >> 32) & m;
+    unsigned char *p = b.buf;
+    int was = ((p[i >> 3] >> (i & 7)) & (p[j >> 3] >> (j & 7)) & 1) != 0;
+    if (add) {
+        p[i >> 3] |= (unsigned char)(1u << (i & 7));
+        p[j >> 3] |= (unsigned char)(1u << (j & 7));
+    }
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(was);
+}
+
 PyDoc_STRVAR(copy_ranges_doc,
              "copy_ranges(pool, region, pool_off, region_off, length, to_pool[, page_bytes, sums, guard, fence,\n"
              "            fence_slot]) -> None | bool\n\n"
@@ -1821,6 +1854,7 @@ static PyMethodDef methods[] = {
     {"fence_enter", fence_enter, METH_VARARGS, fence_enter_doc},
     {"fence_exit", fence_exit, METH_VARARGS, fence_exit_doc},
     {"checksums", checksums, METH_VARARGS, checksums_doc},
+    {"bloom", (PyCFunction)(void (*)(void))bloom, METH_FASTCALL, bloom_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -120,10 +120,16 @@ class Entry:
         return f"<Entry {self.ns}/{self.key[:12]} {self.state} off={self.offset} leases={self.leases}>"
 
 
+try:  # the compiled part (setup.py): a ghost's test or add in one call
+    from hicached.common._pageio import bloom as _bloom
+except ImportError:
+    _bloom = None
+
+
 def ghost_hash(ns: str, key: str) -> int:
     """A page's hash for the ghost: of its key and namespace (str hashes are kept by the strings: no tuple
     built and hashed a page)."""
-    return hash(key) ^ (hash(ns) * 0x9E3779B1)
+    return hash(key) ^ hash(ns)
 
 
 class Ghost:
@@ -147,17 +153,22 @@ class Ghost:
 
     def add(self, h: int, pages: int) -> None:
         """Remembers hash `h`; `pages`: the pages in the index now (the next generation's size)."""
-        m, b = self._cur_mask, self._cur
-        i = h & m
-        b[i >> 3] |= 1 << (i & 7)
-        i = (h >> 32) & m
-        b[i >> 3] |= 1 << (i & 7)
+        if _bloom is not None:
+            _bloom(self._cur, h, True)
+        else:
+            m, b = self._cur_mask, self._cur
+            i = h & m
+            b[i >> 3] |= 1 << (i & 7)
+            i = (h >> 32) & m
+            b[i >> 3] |= 1 << (i & 7)
         self._added += 1
         if self._added >= self._room:
             self._old, self._old_mask = self._cur, self._cur_mask
             self._new_generation(pages)
 
     def __contains__(self, h: int) -> bool:
+        if _bloom is not None:
+            return _bloom(self._cur, h, False) or (self._old is not None and _bloom(self._old, h, False))
         m, b = self._cur_mask, self._cur
         i, j = h & m, (h >> 32) & m
         if (b[i >> 3] >> (i & 7)) & (b[j >> 3] >> (j & 7)) & 1:

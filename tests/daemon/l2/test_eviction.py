@@ -98,7 +98,12 @@ def test_a_page_evicted_from_probation_and_stored_again_comes_back_protected():
     assert not never.hot
 
 
-def test_ghost_remembers_for_two_generations_then_forgets():
+@pytest.mark.parametrize("c_module", [True, False])
+def test_ghost_remembers_for_two_generations_then_forgets(c_module, monkeypatch):
+    if not c_module:
+        monkeypatch.setattr(index_module, "_bloom", None)
+    elif index_module._bloom is None:
+        pytest.skip("hicached.common._pageio is not built")
     g = Ghost()  # generations of 4096 keys (the least)
     hashes = [ghost_hash(NS, key(i)) for i in range(3 * 4096)]
     for h in hashes[:4096]:
@@ -260,3 +265,18 @@ async def test_a_restart_that_keeps_l2_keeps_which_pages_are_protected_and_their
         assert [[(e.key, e.hot) for e in lst] for lst in t.index.lru_lists()] == before
     finally:
         await close_tiers(t)
+
+
+def test_the_c_and_python_ghosts_set_the_same_bits(monkeypatch):
+    if index_module._bloom is None:
+        pytest.skip("hicached.common._pageio is not built")
+    hashes = [ghost_hash(NS, key(i)) for i in range(5000)] + [-1, 0, 1, -(1 << 63), (1 << 63) - 1]
+    c = Ghost()
+    for h in hashes:
+        c.add(h, 0)
+    monkeypatch.setattr(index_module, "_bloom", None)
+    py = Ghost()
+    for h in hashes:
+        py.add(h, 0)
+    assert (c._cur, c._old) == (py._cur, py._old)
+    assert all(h in py for h in hashes)
