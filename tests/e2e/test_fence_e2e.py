@@ -232,8 +232,12 @@ async def test_async_client_load_timed_out_writes_nothing_after_it_raised(big):
         rows[:] = MARK
         # A caller that cancels its call (asyncio.wait_for) gets its CancelledError only once no copy runs.
         ac.timeout = 60
-        with pytest.raises(TimeoutError):
+        try:
             await asyncio.wait_for(ac.load_pages(h, list(range(N)), keys), 0.005)
+        except TimeoutError:
+            pass
+        # Either way (on a loaded machine the load may end while its cancellation waits for the copy, and
+        # wait_for then returns its answer: fresh-clone CI), nothing is copied once the call is over.
         await asyncio.to_thread(wait_settled, rows)
         assert await ac.load_pages(h, list(range(N)), keys, fetch=False) == N
 
