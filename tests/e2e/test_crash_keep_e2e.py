@@ -16,10 +16,10 @@ from churn import page_of
 from systemd_notify import NotifySocket
 from systemd_unit import SystemdDaemon
 
-from hicached.daemon.l2 import headers as hd
-from hicached.daemon.l2 import keep
 from hicached.daemon.l2.pool import Pool
 from hicached.daemon.l2.slabs import slot_size
+from hicached.daemon.persist import headers as hd
+from hicached.daemon.persist import keep
 from hicached.engine.client import Client
 
 PAGE = 32 * 1024

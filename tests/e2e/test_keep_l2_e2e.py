@@ -16,7 +16,7 @@ from churn import page_of
 from systemd_notify import NotifySocket
 from systemd_unit import SystemdDaemon
 
-from hicached.daemon.l2 import keep
+from hicached.daemon.persist import keep
 from hicached.engine.client import Client, control
 
 PAGE = 32 * 1024

@@ -18,7 +18,7 @@ from daemon_proc import DaemonProcess, refused_line, wait_pid
 from other_uid import other_user, run_as, shared_workdir
 
 from hicached.common.errors import HicachedError
-from hicached.daemon.service import takeover
+from hicached.daemon.persist import takeover
 from hicached.engine.client import Client, control
 
 PAGE = 32 * 1024

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from hicached.daemon.l2 import headers as hd
-from hicached.daemon.l2 import keep
 from hicached.daemon.l2.pool import Pool
+from hicached.daemon.persist import headers as hd
+from hicached.daemon.persist import keep
 from hicached.engine.client import Client
 
 PAGE = 32 * 1024

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from hicached.daemon.l2 import keep
+from hicached.daemon.persist import keep
 from hicached.engine.client import Client
 
 PAGE = 32 * 1024

@@ -13,7 +13,7 @@ import time
 import pytest
 from daemon_proc import DaemonProcess, refused_line, wait_pid
 
-from hicached.daemon.service import takeover
+from hicached.daemon.persist import takeover
 from hicached.engine.client import Client, control
 
 PAGE = 32 * 1024

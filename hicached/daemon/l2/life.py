@@ -352,8 +352,8 @@ class PageLife:
         self.index.update(entry)
 
     def restored(self, entry: Entry, checksum: int, in_l3: bool, owed: bool) -> bool:
-        """A page kept over a restart (hicached.daemon.l2.keep), READY again: owed to L3 as it was. True when
-        it is owed (stranded until a backend attaches)."""
+        """A page kept over a restart (hicached.daemon.persist.keep), READY again: owed to L3 as it was. True
+        when it is owed (stranded until a backend attaches)."""
         entry.checksum = checksum
         entry.in_l3 = in_l3
         owed = owed and not in_l3 and self._configured()

@@ -152,7 +152,7 @@ class Pool:
     daemon's next access SIGBUS); engines map their arena's fd and read and write pages in place.
 
     With `fd`, the pool is that memfd (a previous daemon's pool, kept by systemd's file-descriptor store
-    over a restart: see hicached.daemon.l2.keep), checked by check_kept_fd first; the Pool owns it then.
+    over a restart: see hicached.daemon.persist.keep), checked by check_kept_fd first; the Pool owns it then.
     With `arenas` ((name, bytes) pairs, more than one), the pool is one memfd an arena, mapped back to back
     (their sizes multiples of the page size); `size` is then their sum. `kept`: arena name -> a previous
     daemon's memfd of that arena (checked by check_kept_fd first), owned by the Pool from here on."""

@@ -15,8 +15,8 @@ and the clearing node deletes that name again once the bound has passed).
 A node that first uses a namespace (a hello) learns its epoch on the first read; a clear recorded as younger
 than the node's first use of the namespace (less a second of clock skew between nodes) means its L2 pages
 may be older than the clear: they are forgotten too. Pages kept over a restart come with the epochs the
-daemon before knew (hicached.daemon.l2.keep): compared with the store's on the first read. Without them (a
-crash: the index rebuilt from slot headers) they are of unknown age: any clear ever recorded forgets them.
+daemon before knew (hicached.daemon.persist.keep): compared with the store's on the first read. Without them
+(a crash: the index rebuilt from slot headers) they are of unknown age: any clear ever recorded forgets them.
 A store whose connector keeps no marks (BackendUnsupported) has node-local clears, as before fleets.
 """
 

@@ -1,6 +1,7 @@
 """The daemon's lifecycle: build the parts from a config, start them in order, serve until asked to stop,
 stop them in reverse; signals, the watchdog and the L3 backend's attach. The coordinator of its helpers:
-kept.py (L2 over restarts), warm.py (the warm list), controls.py (the operator's levers)."""
+hicached.daemon.persist (L2 over restarts and takeovers, the warm list), controls.py (the operator's
+levers)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ from hicached import config
 from hicached.common.errors import BACKEND_UNAVAILABLE, BAD_REQUEST, HicachedError
 from hicached.config import Config
 from hicached.connectors import BackendError, Connector, build
-from hicached.daemon.l2 import headers as slot_headers
-from hicached.daemon.l2 import keep
 from hicached.daemon.l2.pool import Pool, arena_sizes, available_memory, check_capacity
+from hicached.daemon.persist import headers as slot_headers
+from hicached.daemon.persist import keep, takeover
+from hicached.daemon.persist import kept as kept_l2
+from hicached.daemon.persist.warmlist import WarmList
 from hicached.daemon.sched.tiers import Tiers
 from hicached.daemon.server.listener import Server
-from hicached.daemon.service import controls, takeover
-from hicached.daemon.service import kept as kept_l2
+from hicached.daemon.service import controls
 from hicached.daemon.service.controls import shown
 from hicached.daemon.service.metrics import MetricsServer
 from hicached.daemon.service.notify import Notifier, watchdog_interval
-from hicached.daemon.service.warm import WarmList
 
 log = logging.getLogger("hicached.daemon")
 

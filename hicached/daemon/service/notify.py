@@ -15,7 +15,7 @@ import re
 import socket
 import time
 
-from hicached.daemon.l2.keep import is_kept_fdname
+from hicached.daemon.persist.keep import is_kept_fdname
 
 log = logging.getLogger("hicached.notify")
 

@@ -233,8 +233,8 @@ async def test_a_restart_that_keeps_l2_keeps_which_pages_are_protected_and_their
     import tiers_rig as rig
     from tiers_rig import close_tiers, session, write
 
-    from hicached.daemon.l2 import keep
     from hicached.daemon.l2.pool import Pool
+    from hicached.daemon.persist import keep
     from hicached.daemon.sched.tiers import Tiers
 
     cfg = rig.cfg_for(tmp_path, "8MiB", backend="none")  # nothing owed: every page is listed

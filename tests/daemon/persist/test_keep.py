@@ -1,4 +1,5 @@
-"""The snapshot codec of a kept L2 (hicached.daemon.l2.keep): bytes in, bytes out, every damage refused."""
+"""The snapshot codec of a kept L2 (hicached.daemon.persist.keep): bytes in, bytes out, every damage
+refused."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import msgpack
 import pytest
 import xxhash
 
-from hicached.daemon.l2 import keep
-from hicached.daemon.l2.keep import KeptPage, Snapshot, SnapshotError
+from hicached.daemon.persist import keep
+from hicached.daemon.persist.keep import KeptPage, Snapshot, SnapshotError
 
 SLAB = 1 << 20
 KEY = "a" * 64

@@ -3,7 +3,7 @@ arena by its own share, so one tenant's many pages never crowd another's out of 
 
 from __future__ import annotations
 
-from hicached.daemon.sched.warmup import Budget, WarmPage, merge
+from hicached.daemon.persist.warmup import Budget, WarmPage, merge
 
 PAGE = 4096
 

@@ -33,8 +33,8 @@ log = logging.getLogger("hicached.keep")
 
 POOL_FDNAME = "hicached-l2"
 INDEX_FDNAME = "hicached-l2-index"
-# The slot headers a crash rebuilds L2 from (hicached.daemon.l2.headers): stored beside the pool while the
-# daemon runs.
+# The slot headers a crash rebuilds L2 from (hicached.daemon.persist.headers): stored beside the pool while
+# the daemon runs.
 META_FDNAME = "hicached-l2-meta"
 FDNAMES = (POOL_FDNAME, INDEX_FDNAME, META_FDNAME)
 

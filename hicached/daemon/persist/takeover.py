@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 
 from hicached.config.units import format_size
-from hicached.daemon.l2 import keep
+from hicached.daemon.persist import keep
 
 if TYPE_CHECKING:
     from hicached.config import Config

@@ -8,7 +8,7 @@ import pytest
 from waits import wait_until
 
 from hicached import config
-from hicached.daemon.sched.warmup import WarmPage, load, save
+from hicached.daemon.persist.warmup import WarmPage, load, save
 from hicached.daemon.service.lifecycle import Daemon
 from hicached.engine.client import AsyncClient
 

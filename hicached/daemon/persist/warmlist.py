@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from hicached import config
-from hicached.daemon.sched import warmup
+from hicached.daemon.persist import warmup
 
 log = logging.getLogger("hicached.daemon")
 

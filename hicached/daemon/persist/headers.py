@@ -24,8 +24,8 @@ import xxhash
 
 from hicached.common.keys import KEY_MAX_LEN, valid_namespace
 from hicached.common.memfd import MADV_POPULATE_WRITE, MEMFD, SEALS, inspect_fd
-from hicached.daemon.l2.keep import META_FDNAME, KeptPage, Snapshot
 from hicached.daemon.l2.slabs import ALIGN, slot_size
+from hicached.daemon.persist.keep import META_FDNAME, KeptPage, Snapshot
 
 if TYPE_CHECKING:
     from hicached.daemon.l2.index import Entry

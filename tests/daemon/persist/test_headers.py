@@ -1,4 +1,4 @@
-"""Slot headers (hicached.daemon.l2.headers): the record and front codec over bytes, and the scan that
+"""Slot headers (hicached.daemon.persist.headers): the record and front codec over bytes, and the scan that
 rebuilds L2 over a small in-process pool after a crash (records written by a live Tiers, keep.restore)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import xxhash
 from hicached.connectors.file import FileConnector
 from tiers_rig import PAGE, close_tiers, session, write
 
-from hicached.daemon.l2 import headers as hd
-from hicached.daemon.l2 import keep
-from hicached.daemon.l2.headers import Headers, MetaError, Record
 from hicached.daemon.l2.pool import Pool
+from hicached.daemon.persist import headers as hd
+from hicached.daemon.persist import keep
+from hicached.daemon.persist.headers import Headers, MetaError, Record
 from hicached.daemon.sched.tiers import Tiers
 
 KEY = "a" * 64

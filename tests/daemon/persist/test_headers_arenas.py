@@ -9,9 +9,9 @@ import os
 import pytest
 
 from hicached import config
-from hicached.daemon.l2 import headers as hd
-from hicached.daemon.l2 import keep
 from hicached.daemon.l2.pool import Pool, arena_sizes
+from hicached.daemon.persist import headers as hd
+from hicached.daemon.persist import keep
 from hicached.daemon.sched.tiers import Session, Tiers
 
 MiB = 1 << 20

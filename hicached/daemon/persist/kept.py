@@ -9,9 +9,9 @@ import os
 from typing import Any
 
 from hicached.config import Config
-from hicached.daemon.l2 import headers as slot_headers
-from hicached.daemon.l2 import keep
 from hicached.daemon.l2.pool import Pool, arena_sizes, check_kept_fd
+from hicached.daemon.persist import headers as slot_headers
+from hicached.daemon.persist import keep
 from hicached.daemon.service.notify import fd_store_max, passed_fds, take_passed
 
 log = logging.getLogger("hicached.daemon")
