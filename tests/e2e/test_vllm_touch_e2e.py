@@ -16,7 +16,7 @@ from vllm_rig import Engine, chain_keys, hicached_tier  # noqa: E402
 
 from hicached.engine.client import Client  # noqa: E402
 from hicached.engine.vllm import DROPPED_TOUCHES  # noqa: E402
-from hicached.engine.vllm_rows import daemon_keys  # noqa: E402
+from hicached.engine.vllm.rows import daemon_keys  # noqa: E402
 
 # 128 pages of 64 KiB (the rig's rows) and no L3: a page evicted from L2 is gone.
 SMALL = {"pool": {"capacity": "8MiB", "slab_size": "1MiB"}, "storage": {"backend": "none"}}

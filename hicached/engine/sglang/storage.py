@@ -8,7 +8,7 @@ of its own. Its pages move without a copy on SGLang's side: where SGLang allocat
 threads (one `store_pages` / `load_pages` request); otherwise the pool is a local region and this process
 copies a batch straight between the pool's memory and the daemon's shared pool, one copy a page, in one C
 call with the GIL released. Pages are described as segments read off SGLang's own page views
-(hicached.engine.sglang_pages); a pool that cannot be described so moves through SGLang's page methods.
+(hicached.engine.sglang.pages); a pool that cannot be described so moves through SGLang's page methods.
 
 SGLang calls a storage backend from background threads that it never restarts, so no method here raises:
 a daemon that is down or restarting turns into misses (`0`, `False`) and one log line per kind of failure,
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hicached.engine.client import Client
-from hicached.engine.sglang_metrics import _Metrics
-from hicached.engine.sglang_namespace import KV, _join, namespace_prefix, pool_namespace
-from hicached.engine.sglang_pools import _Link
+from hicached.engine.sglang.metrics import _Metrics
+from hicached.engine.sglang.namespace import KV, _join, namespace_prefix, pool_namespace
+from hicached.engine.sglang.pools import _Link
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -36,11 +36,11 @@ except ImportError:
 
 __all__ = ["DEFAULT_SOCKET", "KV", "HicachedStorage", "namespace_prefix", "pool_namespace"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("hicached.engine.sglang")
 
 DEFAULT_SOCKET = "/run/hicached/hicached.sock"
 DEFAULT_TIMEOUT_S = 5.0  # a hung daemon stalls SGLang's prefetch/backup threads for at most this long
-DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to sglang_pools._RECONNECT_MAX_S
+DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to pools._RECONNECT_MAX_S
 
 
 class HicachedStorage(_Base):

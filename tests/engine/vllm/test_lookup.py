@@ -1,4 +1,4 @@
-"""The vLLM tier's lookups (hicached.engine.vllm_lookup): a step's keys resolved in one batch off the caller's
+"""The vLLM tier's lookups (hicached.engine.vllm.lookup): a step's keys resolved in one batch off the caller's
 thread, RETRY while the answer is on its way up to a bound in time (a clock the tests move), MISS at once with
 the daemon down, per-request references, mark_miss after a failed load; its touches queued, coalesced,
 bounded and sent off the caller's thread."""
@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from hicached.engine.vllm_lookup import CONNECT_EVERY_S, Answer, Lookups, Touches
+from hicached.engine.vllm.lookup import CONNECT_EVERY_S, Answer, Lookups, Touches
 
 HIT, MISS, RETRY = Answer.HIT, Answer.MISS, Answer.RETRY
 WAIT_S = 0.5

@@ -30,9 +30,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from hicached.engine.vllm_daemon import Daemon
-from hicached.engine.vllm_lookup import Answer, Lookups, Touches
-from hicached.engine.vllm_rows import check_prefix, region_file, row_fields
+from hicached.engine.vllm.daemon import Daemon
+from hicached.engine.vllm.lookup import Answer, Lookups, Touches
+from hicached.engine.vllm.rows import check_prefix, region_file, row_fields
 
 __all__ = ["HicachedTier"]
 

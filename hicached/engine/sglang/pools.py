@@ -13,8 +13,8 @@ from typing import Any, Protocol, TypeVar
 
 from hicached.common.errors import CONNECTION, TIMEOUT, HicachedError
 from hicached.engine.client import Client
-from hicached.engine.sglang_metrics import _Metrics
-from hicached.engine.sglang_pages import NotSegmentable, PageGeometry, page_geometry, shared_fd, storage_bytes
+from hicached.engine.sglang.metrics import _Metrics
+from hicached.engine.sglang.pages import NotSegmentable, PageGeometry, page_geometry, shared_fd, storage_bytes
 
 logger = logging.getLogger("hicached.engine.sglang")
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from hicached.common.errors import CONNECTION, COPY_FAILED, NOT_FOUND, TIMEOUT, HicachedError
 from hicached.engine.client import Client, control
-from hicached.engine.vllm_rows import RegionFile, daemon_keys, daemon_pages, namespace, row_parts
+from hicached.engine.vllm.rows import RegionFile, daemon_keys, daemon_pages, namespace, row_parts
 
 logger = logging.getLogger("hicached.engine.vllm")
 

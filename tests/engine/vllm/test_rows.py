@@ -1,4 +1,4 @@
-"""How the vLLM tier names and cuts vLLM's rows (hicached.engine.vllm_rows): parts of a row larger than the
+"""How the vLLM tier names and cuts vLLM's rows (hicached.engine.vllm.rows): parts of a row larger than the
 daemon's largest page, daemon keys and pages, the namespace from vLLM's own FileMapper fields, and the file
 found under vLLM's primary view (its real SharedOffloadRegion)."""
 
@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from vllm_rig import offloading_config  # noqa: E402
 
 from hicached.common.keys import check_keys, check_namespace  # noqa: E402
-from hicached.engine.vllm_rows import (  # noqa: E402
+from hicached.engine.vllm.rows import (  # noqa: E402
     block_key,
     check_prefix,
     daemon_keys,
