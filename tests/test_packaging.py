@@ -32,6 +32,12 @@ ALLOWED = {
     "hicached.daemon": ("hicached.daemon", "hicached.connectors", "hicached.common", "hicached.config"),
 }
 
+# Floors inside the daemon, from the bottom: L2 (the pool, the allocator, the index, a page's life) imports
+# nothing else of the daemon, the scheduler only L2; the rest (persist: L2 kept over restarts and the warm
+# list; regions; server; service) sits above both. What a higher floor must hear from a lower one (the slot
+# headers, told of every page's move) is handed down as a callback when the lower one is built.
+DAEMON_FLOORS = ("hicached.daemon.l2", "hicached.daemon.sched")
+
 
 def _modules() -> dict[str, Path]:
     """Every module of the installed package, by dotted name, from the repository's folders."""
@@ -85,6 +91,27 @@ def test_no_module_imports_a_layer_above_it(graph: dict[str, set[str]]) -> None:
         # `hicached` itself (the lazy public names) pulls in the engine side: no layer below it imports it.
         wrong += [f"{mod} -> hicached (the top package's names)" for d in deps if d == "hicached"]
     assert not wrong, "imports against the layering:\n  " + "\n  ".join(wrong)
+
+
+def _floor(module: str) -> int:
+    """A daemon module's floor: its index in DAEMON_FLOORS, or above them all."""
+    return next(
+        (i for i, pkg in enumerate(DAEMON_FLOORS) if module == pkg or module.startswith(pkg + ".")),
+        len(DAEMON_FLOORS),
+    )
+
+
+def test_no_daemon_module_imports_a_floor_above_it(graph: dict[str, set[str]]) -> None:
+    wrong = [
+        f"{mod} -> {d}"
+        for mod, deps in graph.items()
+        if _layer(mod) == "hicached.daemon"
+        for d in sorted(deps)
+        if _layer(d) == "hicached.daemon" and _floor(d) > _floor(mod)
+    ]
+    assert not wrong, (
+        "imports against the daemon's floors (l2 below sched below the rest):\n  " + "\n  ".join(wrong)
+    )
 
 
 def test_the_import_graph_has_no_circles(graph: dict[str, set[str]]) -> None:

@@ -140,8 +140,10 @@ def make_life(
     flags: Flags,
     capacity: int | None = None,
     on_short=None,
+    records=None,
 ) -> tuple[PageLife, SlabAllocator]:
-    """A PageLife over one allocator of the whole pool (or its first `capacity` bytes)."""
+    """A PageLife over one allocator of the whole pool (or its first `capacity` bytes), telling `records`
+    (the slot headers' part) of the pages' moves."""
     alloc = SlabAllocator(capacity or pool.size, SLAB)
     life = PageLife(
         [alloc],
@@ -151,6 +153,7 @@ def make_life(
         configured=lambda: flags.configured,
         lost=flags.lost.append,
         on_short=on_short,
+        records=records,
     )
     return life, alloc
 
@@ -182,9 +185,17 @@ class World:
     holding `connector` (None: none attached), the page life over a small pool, the backup (its workers not
     started: start() them where a test wants pages written) and the engines' activity on a clock the test
     sets (`now`). The test builds the part it tests; a WritePolicy it sets as `policy` is asked what the
-    backup's pace and the index's shortage are, as in Tiers."""
+    backup's pace and the index's shortage are, as in Tiers. `records`: told of the pages' moves, as the
+    slot headers are."""
 
-    def __init__(self, tmp_path, connector: Connector | None = None, capacity: int = CAPACITY, **storage):
+    def __init__(
+        self,
+        tmp_path,
+        connector: Connector | None = None,
+        capacity: int = CAPACITY,
+        records=None,
+        **storage,
+    ):
         self.cfg = small_cfg(tmp_path, capacity, pool=storage.pop("pool", None), **storage)
         self.pool = Pool(self.cfg.pool.capacity, prefault=False)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -205,6 +216,7 @@ class World:
             configured=lambda: self.cfg.storage.backend != "none",
             lost=self._lost,
             on_short=lambda nbytes, arena: self.policy.backlog_full(nbytes, arena) if self.policy else 0,
+            records=records,
         )
         self.index = self.life.index
         st = self.cfg.storage

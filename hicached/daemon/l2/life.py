@@ -53,7 +53,8 @@ class PageLife:
     """The owner of every page's state. `attached`: whether a backend is attached now (pages owed to L3 are
     held in L2 for it); `configured`: whether one is configured at all (storage.backend != "none": else
     nothing is owed); `lost`: told how many acknowledged pages left L2 before reaching L3; `arena_of` and
-    `on_short`: as PageIndex takes them."""
+    `on_short`: as PageIndex takes them; `records`: the slot headers a crash rebuilds L2 from, told of every
+    page made ready, written to L3 or gone (None: none are kept)."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class PageLife:
         arena_of: Callable[[str], int] | None = None,
         on_short: Callable[[int, int], int] | None = None,
         eviction: str = "lru",
+        records: PageRecords | None = None,
     ) -> None:
         self.index = PageIndex(
             allocators, arena_of=arena_of, on_remove=self._left, on_short=on_short, eviction=eviction
@@ -76,7 +78,7 @@ class PageLife:
         self._attached = attached
         self._configured = configured
         self._lost = lost
-        self.records: PageRecords | None = None  # the slot headers, once observe() names them
+        self.records = records
         # READY pages owed to L3 and not held in L2 for it (see the diagram). Each is bounded by L2: a page
         # leaves its set as it leaves L2.
         self.given_up: set[Entry] = set()
@@ -86,10 +88,6 @@ class PageLife:
         self.arena_pinned = [0] * len(self.index.allocs)  # pinned_bytes by arena
         counters["backup.lost"] = 0  # counted from 0, so that the metric exists before the first loss
         counters["backup.dropped"] = 0
-
-    def observe(self, records: PageRecords | None) -> None:
-        """The slot headers a crash rebuilds L2 from hear of every page made ready, written to L3 or gone."""
-        self.records = records
 
     # Writing.
 
@@ -351,11 +349,13 @@ class PageLife:
         self.stranded.discard(entry)
         self.index.update(entry)
 
-    def restored(self, entry: Entry, checksum: int, in_l3: bool, owed: bool) -> bool:
-        """A page kept over a restart (hicached.daemon.persist.keep), READY again: owed to L3 as it was. True
-        when it is owed (stranded until a backend attaches)."""
+    def restored(self, entry: Entry, checksum: int, in_l3: bool, owed: bool, hot: bool = False) -> bool:
+        """A page kept over a restart (hicached.daemon.persist.keep), READY again: owed to L3 as it was, and
+        `hot` (used again since it entered L2: protected under slru) as it was. True when it is owed
+        (stranded until a backend attaches)."""
         entry.checksum = checksum
         entry.in_l3 = in_l3
+        entry.hot = entry.hot or hot
         owed = owed and not in_l3 and self._configured()
         if owed:
             self.stranded.add(entry)

@@ -27,9 +27,17 @@ class SizeClass:
 
 class SlabAllocator:
     """The slabs of `capacity` bytes of the pool from offset `base` (one arena: a tenant's share; the whole
-    pool where there are no tenants). Offsets are the pool's; slab numbers count from `base`."""
+    pool where there are no tenants). Offsets are the pool's; slab numbers count from `base`. `on_assign(slab,
+    slot_bytes)` hears of every slab given to a class (the slot headers' slab table)."""
 
-    def __init__(self, capacity: int, slab_bytes: int, base: int = 0, arena: int = 0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        slab_bytes: int,
+        base: int = 0,
+        arena: int = 0,
+        on_assign: Callable[[int, int], None] | None = None,
+    ) -> None:
         if slab_bytes % ALIGN or slab_bytes <= 0:
             raise ValueError("slab size must be a positive multiple of 4KiB")
         self.base = base
@@ -43,11 +51,6 @@ class SlabAllocator:
         self.classes: dict[int, SizeClass] = {}
         self._owner: list[SizeClass | None] = [None] * self.nslabs
         self._active = 0  # classes holding at least one slab, kept as slabs move: fair_share is O(1)
-        # Told (slab, slot bytes) when a slab is given to a class: the slot headers' slab table (headers.py).
-        self.on_assign: Callable[[int, int], None] | None = None
-
-    def observe(self, on_assign: Callable[[int, int], None] | None) -> None:
-        """`on_assign(slab, slot_bytes)` hears of every slab given to a class (the headers' slab table)."""
         self.on_assign = on_assign
 
     def size_class(self, slot_bytes: int) -> SizeClass:
@@ -124,6 +127,25 @@ class SlabAllocator:
         else:
             self.free_slabs.remove(slab)
         self._assign(slab, to)
+
+    def restore(self, slabs: list[int], used: set[int]) -> None:
+        """A kept pool's slabs as the daemon before left them, into this fresh allocator: `slabs[s]` the slot
+        size of the class slab s was given to (0: free), `used` the slots (pool offsets) in use; the rest of
+        the slots of those slabs are free. RuntimeError if this allocator has handed out slots already or
+        has another number of slabs."""
+        fresh = not any(c.used for c in self.classes.values())
+        if not fresh or self.nslabs != len(slabs) or len(self.free_slabs) != self.nslabs:
+            raise RuntimeError("a snapshot is restored into a fresh index of the same geometry only")
+        assigned = [s for s, slot in enumerate(slabs) if slot]
+        # move_slab takes a free slab with list.remove: the slabs given out first, so each is found at once.
+        taken = set(assigned)
+        self.free_slabs = assigned + [s for s in self.free_slabs if s not in taken]
+        for slab in assigned:
+            self.move_slab(slab, self.size_class(slabs[slab]))
+        for cls in self.classes.values():
+            keep = [o for o in cls.free if o not in used]
+            cls.used += len(cls.free) - len(keep)
+            cls.free = keep
 
     def fair_share(self, asking: SizeClass) -> int:
         """Slabs each active class (those holding slabs, and the one asking) is entitled to before it must

@@ -28,9 +28,10 @@ from hicached.daemon.l2.slabs import ALIGN, slot_size
 from hicached.daemon.persist.keep import META_FDNAME, KeptPage, Snapshot
 
 if TYPE_CHECKING:
-    from hicached.daemon.l2.index import Entry
+    from collections.abc import Callable
+
+    from hicached.daemon.l2.index import Entry, PageRecords
     from hicached.daemon.l2.pool import Pool
-    from hicached.daemon.sched.tiers import Tiers
 
 log = logging.getLogger("hicached.keep")
 
@@ -294,20 +295,6 @@ class Headers:
         self.adopted = time.clock_gettime(time.CLOCK_MONOTONIC)
         self._write_front()
 
-    def attach(self, tiers: Tiers) -> None:
-        """Observes the page lifecycle (every page made ready, written to L3 or gone) and the allocator, and
-        records the slabs the allocator already gave out. A pool of several arenas: attach_arenas."""
-        tiers.observe(self)
-        self.attach_alloc(tiers)
-
-    def attach_alloc(self, tiers: Tiers) -> None:
-        """The slab table follows the allocator of this arena (slab numbers count from the arena's start)."""
-        alloc = tiers.index.allocs[self.arena]
-        alloc.observe(self.slab)
-        for cls in alloc.classes.values():
-            for s in cls.slabs:
-                self.slab(s, cls.slot_bytes)
-
     def close(self) -> None:
         if self.fd < 0:
             return
@@ -529,11 +516,16 @@ def adopt(
 
 
 class ByArena:
-    """The PageRecords of a pool of several arenas: each page's transitions go to its arena's Headers (None:
-    that arena keeps no records)."""
+    """The PageRecords of a pool of several arenas: each page's transitions, and each slab given to a class,
+    go to its arena's Headers (None: that arena keeps no records)."""
 
     def __init__(self, headers: list[Headers | None]) -> None:
         self.by_arena = headers
+
+    def slab(self, arena: int, slab: int, slot_bytes: int) -> None:
+        h = self.by_arena[arena]
+        if h is not None:
+            h.slab(slab, slot_bytes)
 
     def commit(self, e: Entry) -> None:
         h = self.by_arena[e.cls.arena]
@@ -558,11 +550,25 @@ class ByArena:
                 h.l3(location)
 
 
-def attach_arenas(tiers: Tiers, headers: list[Headers]) -> None:
-    """Headers.attach for a pool of several arenas: one Headers an arena (those of `headers`; the others
-    keep no records), each following its arena's allocator."""
-    by_arena: list[Headers | None] = [None] * len(tiers.index.allocs)
+class Observers(NamedTuple):
+    """What the tiers are handed as they are built (Tiers(..., records=, on_slab=)) for slot headers to follow
+    L2: the page lifecycle's transitions, and the slabs each arena's allocator gives to a class."""
+
+    records: PageRecords | None
+    on_slab: Callable[[int, int, int], None] | None
+
+
+def observers(headers: list[Headers], narenas: int = 1) -> Observers:
+    """The Observers of `headers` (one Headers an arena at most; the arenas of the pool's `narenas` without
+    one keep no records). Built before the tiers: their allocators have given out no slab yet, so the slab
+    table hears of every one."""
+    if not headers:
+        return Observers(None, None)
+    if narenas == 1 and len(headers) == 1 and headers[0].arena == 0:
+        h = headers[0]  # one pool, one Headers: the page life calls it directly (a commit per page stored)
+        return Observers(h, lambda arena, slab, slot_bytes: h.slab(slab, slot_bytes))
+    by_arena: list[Headers | None] = [None] * narenas
     for h in headers:
         by_arena[h.arena] = h
-        h.attach_alloc(tiers)
-    tiers.observe(ByArena(by_arena))
+    records = ByArena(by_arena)
+    return Observers(records, records.slab)

@@ -384,32 +384,20 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool], arena: int = 0) -> Restor
     index = tiers.index
     alloc = index.allocs[arena]
     base = alloc.base
-    fresh = not any(c.used for c in alloc.classes.values())
-    if not fresh or alloc.nslabs != len(snap.slabs) or len(alloc.free_slabs) != alloc.nslabs:
-        raise RuntimeError("a snapshot is restored into a fresh index of the same geometry only")
-    assigned = [s for s, slot in enumerate(snap.slabs) if slot]
-    # move_slab takes a free slab with list.remove: put the slabs given out first, so each is found at once.
-    taken = set(assigned)
-    alloc.free_slabs = assigned + [s for s in alloc.free_slabs if s not in taken]
-    for slab in assigned:
-        alloc.move_slab(slab, alloc.size_class(snap.slabs[slab]))
     now = time.clock_gettime(time.CLOCK_MONOTONIC)
     quarantine = HELD_QUARANTINE_S - (now - snap.written)
     held = [o + base for o in snap.held] if quarantine > 0 else []
     moved = {p.ns for p in snap.pages if tiers.arena_of(p.ns) != arena}
     ok = [good and p.ns not in moved for p, good in zip(snap.pages, ok, strict=True)]
+    used = {p.offset + base for p, good in zip(snap.pages, ok, strict=True) if good}
+    used.update(held)
+    alloc.restore(snap.slabs, used)
     if moved:
         log.warning(
             "kept pages of %d namespaces (%s) are not served again: they belong to another tenant now",
             len(moved),
             ", ".join(sorted(moved)[:5]),
         )
-    used = {p.offset + base for p, good in zip(snap.pages, ok, strict=True) if good}
-    used.update(held)
-    for cls in alloc.classes.values():
-        keep = [o for o in cls.free if o not in used]
-        cls.used += len(cls.free) - len(keep)
-        cls.free = keep
     out = Restored(l3=snap.l3)
     for p, good in zip(snap.pages, ok, strict=True):
         if not good:
@@ -420,9 +408,8 @@ def fill(tiers: Tiers, snap: Snapshot, ok: list[bool], arena: int = 0) -> Restor
         entry = index.entry_at(p.ns, p.key, p.size, index.size_class(p.size, arena), p.offset + base, READY)
         # Owed to L3 while no backend is attached yet (the restore runs before the attach), as a page stored
         # then would be: the attach queues them (Tiers._attached); should they leave L2 first, they count
-        # as lost.
-        out.owed += tiers.life.restored(entry, p.checksum, p.in_l3, p.owed)
-        entry.hot = entry.hot or p.hot  # filed in the list it left (slru), in the order it left it
+        # as lost. Hot as it was: filed in the list it left (slru's protected one), in the order it left it.
+        out.owed += tiers.life.restored(entry, p.checksum, p.in_l3, p.owed, p.hot)
         if p.pinned:
             tiers.pin_entry(entry)
         index.update(entry)

@@ -179,7 +179,8 @@ def _drop_tenants(daemon: Any) -> None:
 
 def tenants_headers(daemon: Any) -> None:
     """With [tenants]: each arena's slot headers (kept, or made here under a service manager whose fd
-    store holds 3 fds an arena), wired into the page lifecycle and stored with the arena's pool."""
+    store holds 3 fds an arena) in daemon.arena_headers, for the tiers to be handed (headers.observers),
+    and stored with the arena's pool. Before the tiers are built."""
     kept = {i: h for i, (_, h) in daemon._kept_tenants.items() if h is not None}
     arenas = daemon.pool.arenas
     room = daemon.notifier.enabled and _fd_store_has_room(3 * len(arenas), "over a crash")
@@ -192,7 +193,6 @@ def tenants_headers(daemon: Any) -> None:
         return
     for h in daemon.arena_headers:
         h.mark_adopted()
-    slot_headers.attach_arenas(daemon.tiers, daemon.arena_headers)
     if not room:
         return
     stored = 0

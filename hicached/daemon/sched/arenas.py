@@ -11,7 +11,7 @@ from hicached.config.schema import TenantConfig
 from hicached.config.tenants import DEFAULT as DEFAULT_TENANT
 from hicached.config.tenants import matches_any
 from hicached.daemon.l2.index import PageIndex
-from hicached.daemon.l2.pool import DEFAULT_ARENA, Arena, Pool
+from hicached.daemon.l2.pool import Arena, Pool
 from hicached.daemon.sched.session import Session
 
 
@@ -23,8 +23,7 @@ class Arenas:
         self.pool, self.tenants = pool, tenants
         # namespace -> its arena (tenant), from the tenants' namespaces: forgotten at each reload (retenant)
         self._ns_arena: dict[str, int] = {}
-        # Tenants have pools of their own (the pool's arenas); else one pool serves every engine.
-        self.tenanted = not (len(pool.arenas) == 1 and pool.arenas[0].name == DEFAULT_ARENA)
+        self.tenanted = pool.tenanted
 
     def arena(self, tenant: str) -> tuple[int, int]:
         """(memfd, bytes) of the pool memory that `tenant`'s engines are handed and map: the whole pool

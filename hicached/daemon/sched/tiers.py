@@ -12,7 +12,9 @@ did.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from hicached.common.errors import BAD_REQUEST, HicachedError
@@ -54,9 +56,19 @@ _LOST = (
 
 class Tiers:
     """What each request does to L2 and L3: the parts, and the requests that span them. `cfg` is the
-    configuration in force: a reload sets it, and every part follows."""
+    configuration in force: a reload sets it, and every part follows. `records` (the slot headers a crash
+    rebuilds L2 from) hears of every page made ready, written to L3 or gone, and `on_slab(arena, slab,
+    slot_bytes)` of every slab an arena's allocator gives to a class: what keeps L2 over a crash
+    (hicached.daemon.persist) is handed in here, never imported."""
 
-    def __init__(self, cfg: Config, pool: Pool, connector: Connector | None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        pool: Pool,
+        connector: Connector | None,
+        records: PageRecords | None = None,
+        on_slab: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         self._cfg = cfg
         self.pool = pool
         self.counters: collections.Counter[str] = collections.Counter()
@@ -71,7 +83,16 @@ class Tiers:
         self.tenanted = self.arenas.tenanted
         # Every page's state and its moves (see life.py); the index files the pages.
         self.life = PageLife(
-            [SlabAllocator(a.size, cfg.pool.slab_size, a.base, a.index) for a in pool.arenas],
+            [
+                SlabAllocator(
+                    a.size,
+                    cfg.pool.slab_size,
+                    a.base,
+                    a.index,
+                    on_assign=None if on_slab is None else functools.partial(on_slab, a.index),
+                )
+                for a in pool.arenas
+            ],
             pool,
             self.counters,
             attached=lambda: self.backend.current is not None,
@@ -80,6 +101,7 @@ class Tiers:
             arena_of=self.arenas.arena_of,
             on_short=self._short,
             eviction=cfg.pool.eviction,
+            records=records,
         )
         self.index = self.life.index
         self.namespaces: dict[str, int] = {}
@@ -186,10 +208,6 @@ class Tiers:
     @property
     def connector(self) -> Connector | None:
         return self.backend.current
-
-    def observe(self, records: PageRecords | None) -> None:
-        """The slot headers a crash rebuilds L2 from hear of every page made ready, written to L3 or gone."""
-        self.life.observe(records)
 
     # What the parts built first tell those built after them.
 

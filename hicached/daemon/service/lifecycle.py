@@ -131,8 +131,7 @@ class Daemon:
             except MemoryError as e:
                 raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
-        self.tiers = Tiers(cfg, self.pool, None)
-        if self.tiers.tenanted:
+        if self.pool.tenanted:
             kept_l2.tenants_headers(self)
         elif headers is None and self.notifier.enabled:
             # Only under a service manager: without one to keep them over a crash nothing reads them.
@@ -140,7 +139,11 @@ class Daemon:
         self.headers = headers
         if headers is not None:
             headers.mark_adopted()
-            headers.attach(self.tiers)
+        # The slot headers follow L2 from its first page: handed to the tiers as they are built.
+        every = self.arena_headers if self.pool.tenanted else ([headers] if headers is not None else [])
+        records, on_slab = slot_headers.observers(every, len(self.pool.arenas))
+        self.tiers = Tiers(cfg, self.pool, None, records=records, on_slab=on_slab)
+        if headers is not None:
             kept_l2.store_l2(self)
         self.tiers.start()
         if kept is not None:

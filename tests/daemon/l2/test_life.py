@@ -30,11 +30,10 @@ class Rig:
     def __init__(self, pool: Pool, attached: bool = True, configured: bool = True) -> None:
         self.flags = Flags(attached, configured)
         self.counters: collections.Counter[str] = collections.Counter()
-        self.life, self.alloc = make_life(pool, self.counters, self.flags)
+        self.records = Records()
+        self.life, self.alloc = make_life(pool, self.counters, self.flags, records=self.records)
         self.index = self.life.index
         self.pool = pool
-        self.records = Records()
-        self.life.observe(self.records)
 
     def store(self, *keys: str) -> list[Entry]:
         return [page for page, _ in store(self.life, NS, list(keys))]

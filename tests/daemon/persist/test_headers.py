@@ -92,9 +92,8 @@ async def _tiers(tmp_path) -> tuple[Tiers, Headers]:
     headers of its pool, wired in."""
     cfg = rig.cfg_for(tmp_path, "8MiB")
     pool = Pool(cfg.pool.capacity, prefault=False)
-    t = Tiers(cfg, pool, None)
     h = Headers.create(pool, cfg.pool.slab_size)
-    h.attach(t)
+    t = Tiers(cfg, pool, None, *hd.observers([h]))
     t.start()
     return t, h
 
@@ -114,9 +113,8 @@ async def _restart(tmp_path, fds: tuple[int, int]) -> tuple[Tiers, Headers, hd.S
     pool = Pool(cfg.pool.capacity, prefault=False, fd=fds[0])
     h, snap = hd.adopt([fds[1]], pool, cfg.pool.slab_size, None)
     assert snap is None and h is not None
-    t = Tiers(cfg, pool, None)
     h.mark_adopted()
-    h.attach(t)
+    t = Tiers(cfg, pool, None, *hd.observers([h]))
     t.start()
     scanned = h.scan()
     restored = await keep.restore(t, pool, scanned.snapshot)
@@ -277,9 +275,8 @@ async def test_restore_from_a_snapshot_into_fresh_headers_writes_every_record(tm
     cfg = rig.cfg_for(tmp_path, "8MiB")
     pool = Pool(cfg.pool.capacity, prefault=False, fd=pool_fd)
     assert hd.adopt([], pool, cfg.pool.slab_size, snap) == (None, snap)
-    t = Tiers(cfg, pool, None)
     h = Headers.create(pool, cfg.pool.slab_size)
-    h.attach(t)
+    t = Tiers(cfg, pool, None, *hd.observers([h]))
     t.start()
     try:
         restored = await keep.restore(t, pool, snap)
@@ -301,9 +298,8 @@ async def test_a_page_read_from_l3_gets_its_record_and_outlives_a_crash(tmp_path
     conn = FileConnector(cfg)
     await conn.start()
     pool = Pool(cfg.pool.capacity, prefault=False)
-    t = Tiers(cfg, pool, conn)
     h = Headers.create(pool, cfg.pool.slab_size)
-    h.attach(t)
+    t = Tiers(cfg, pool, conn, *hd.observers([h]))
     t.start()
     s = session(t)
     assert write(t, s, ["from-l3"], fill=0x5A) == [True]

@@ -51,8 +51,7 @@ def store(t: Tiers, tenant: str, keys: list[str]) -> None:
 
 
 def started(cfg, pool: Pool, headers: list[hd.Headers]) -> Tiers:
-    t = Tiers(cfg, pool, None)
-    hd.attach_arenas(t, headers)
+    t = Tiers(cfg, pool, None, *hd.observers(headers, len(pool.arenas)))
     t.start()
     return t
 

@@ -16,9 +16,8 @@ class Rig(World):
 
     def __init__(self, tmp_path, connector="mem", **storage) -> None:
         self.conn = MemStore() if connector == "mem" else connector
-        super().__init__(tmp_path, self.conn, **storage)
         self.records = Records()
-        self.life.observe(self.records)
+        super().__init__(tmp_path, self.conn, records=self.records, **storage)
         self.debt = L3Debt(self.life, self.backend, self.backup, self.make_policy(), self.counters)
         self.backend.on_attach = self.debt.backend_attached
         self.backend.on_detach = self.debt.backend_detached
