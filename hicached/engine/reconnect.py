@@ -21,6 +21,10 @@ log = logging.getLogger("hicached.engine.client")
 # this backoff says; once a whole wait has failed, later calls try one dial each until the daemon is back.
 DEFAULT_RECONNECT_S = 3.0
 _REDIAL = Backoff(attempts=0, base=0.05, max=0.5, jitter=0.2)
+# The errors that say the daemon is away (not up yet, gone, or not answering), as against one that answered
+# and refused: a redial goes on after them, and an adapter's link (hicached.engine.link) drops its
+# connection on them and connects again later.
+AWAY = (CONNECTION, TIMEOUT)
 # A prefetch handle carries the number of the connection it was made on above these bits (none on the
 # first), so that a handle from before a reconnect is told from the new connection's handles.
 _GEN_SHIFT = 40
@@ -130,7 +134,7 @@ class _Redial:
         next one (then the client is down: the next call tries one dial)."""
         # A daemon that answers and refuses (unauthorized, a bad hello) will not change its mind: say so
         # now. connection / timeout: not up (again) yet.
-        if e.code not in (CONNECTION, TIMEOUT):
+        if e.code not in AWAY:
             raise e
         self.attempt += 1
         delay = _REDIAL.delay(self.attempt)

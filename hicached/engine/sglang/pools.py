@@ -11,17 +11,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from hicached.common.errors import CONNECTION, TIMEOUT, HicachedError
+from hicached.common.errors import HicachedError
 from hicached.engine.client import Client
+from hicached.engine.link import Link, LogOnce, connect_backoff
+from hicached.engine.reconnect import AWAY
 from hicached.engine.sglang.metrics import _Metrics
 from hicached.engine.sglang.pages import NotSegmentable, PageGeometry, page_geometry, shared_fd, storage_bytes
 
 logger = logging.getLogger("hicached.engine.sglang")
 
-_RECONNECT_MAX_S = 30.0
 _SCRATCH_BYTES = 64 << 20  # bounds the staging memory of one batch on the page-method path
 
 T = TypeVar("T")
+_Conn = tuple[Client, int | None]  # a connection and the pool's region on it (None: the page methods)
 
 
 class _Owner(Protocol):
@@ -31,13 +33,12 @@ class _Owner(Protocol):
     timeout_s: float
     reconnect_s: float
     metrics: _Metrics
+    log_once: LogOnce
 
-    def log_once(self, kind: str, message: str, *args: Any) -> None: ...
-
-    def connected(self, link: _Link) -> None: ...
+    def connected(self, link: PoolLink, again: bool) -> None: ...
 
 
-class _Link:
+class PoolLink:
     """One host pool served through a daemon connection of its own, in its own namespace: its region (the
     pool's memfd, mapped by the daemon, or its memory as a local region), made again after a reconnect.
     Every method answers a miss rather than raise."""
@@ -59,41 +60,34 @@ class _Link:
             logger.warning("hicached: pool %s moves through SGLang's page methods: %s", name, e)
         self.shm = shared_fd(pool, self.geom) if self.geom is not None else None
         self.zero_copy = False  # the daemon maps the pool's memfd (true once registered)
-        self._conn: Client | None = None
-        self._handle: int | None = None
-        self._lock = threading.Lock()
-        self._retry_at = 0.0
-        self._backoff = owner.reconnect_s
+        # The client reconnects by itself within its default wait, registering the region again; the link
+        # makes a new one when it gave up. CONNECTION: the daemon went away (a restart). TIMEOUT: a late
+        # answer may hold a lease that only closing the connection releases.
+        self._link: Link[_Conn] = Link(
+            owner.socket_path,
+            self._connect,
+            lambda conn: conn[0].close(),
+            backoff=connect_backoff(owner.reconnect_s),
+            log_once=owner.log_once,
+            connected=lambda _, again: owner.connected(self, again),
+        )
         self._tls = threading.local()
 
     # -- connection --------------------------------------------------------------------------------
 
-    def client(self) -> tuple[Client, int | None] | None:
-        with self._lock:
-            if self._conn is not None:
-                return self._conn, self._handle
-            now = time.monotonic()
-            if now < self._retry_at:
-                return None
-            try:
-                conn = Client(
-                    self.owner.socket_path, self.namespace, self.page_bytes, timeout=self.owner.timeout_s
-                )
-            except Exception as e:
-                self._retry_at = now + self._backoff
-                self._backoff = min(self._backoff * 2, _RECONNECT_MAX_S)
-                self.owner.log_once(
-                    "connect",
-                    "cannot connect to %s (%s); answering misses, retrying",
-                    self.owner.socket_path,
-                    e,
-                )
-                return None
-            self._handle = self._register(conn)
-            self._conn = conn
-            self._backoff = self.owner.reconnect_s
-            self.owner.connected(self)
-            return conn, self._handle
+    def client(self) -> _Conn | None:
+        """The connection and the pool's region handle on it (None: moved through the page methods), made
+        if there is none; None while the daemon is away."""
+        return self._link.get()
+
+    def _connect(self) -> _Conn:
+        conn = Client(self.owner.socket_path, self.namespace, self.page_bytes, timeout=self.owner.timeout_s)
+        try:
+            return conn, self._register(conn)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.close()
+            raise
 
     def _register(self, conn: Client) -> int | None:
         """The pool as a region on `conn`: the daemon maps its memfd (zero-copy), or, when the daemon cannot
@@ -110,7 +104,7 @@ class _Link:
                 self.zero_copy = True
                 return handle
             except HicachedError as e:
-                if e.code in (CONNECTION, TIMEOUT):
+                if e.code in AWAY:
                     raise
                 self.owner.log_once(
                     f"region:{self.name}",
@@ -123,36 +117,12 @@ class _Link:
             storage_bytes(geom), self.page_bytes, segments, num_pages=geom.num_pages
         )
 
-    def drop(self, conn: Client) -> None:
-        with self._lock:
-            if self._conn is conn:
-                self._conn, self._handle = None, None
-                self._retry_at = 0.0  # the first reconnect is immediate; failures then back off
-        with contextlib.suppress(Exception):  # a broken connection may fail to close; it is dropped anyway
-            conn.close()
-
     def call(self, what: str, fn: Callable[[Client, int | None], T], default: T) -> T:
-        got = self.client()
-        if got is None:
-            return default
-        conn, handle = got
-        try:
-            return fn(conn, handle)
-        except Exception as e:
-            code = e.code if isinstance(e, HicachedError) else type(e).__name__
-            # CONNECTION: the daemon went away (a restart). TIMEOUT: a late answer may hold a lease that only
-            # closing the connection releases. Either way, connect afresh (and register again) later.
-            if code in (CONNECTION, TIMEOUT) or isinstance(e, OSError):
-                self.drop(conn)
-            self.owner.log_once(f"{what}:{code}", "%s failed (%s); answering a miss", what, e)
-            return default
+        """fn(client, handle), or `default` when the daemon is away or the call failed (logged once)."""
+        return self._link.call(what, lambda conn: fn(*conn), default)
 
     def close(self) -> None:
-        with self._lock:
-            conn, self._conn, self._handle = self._conn, None, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        self._link.close()
 
     # -- pages -------------------------------------------------------------------------------------
 

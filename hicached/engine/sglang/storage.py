@@ -18,14 +18,14 @@ and the connection (with its region) is made again on a later call.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from hicached.engine.client import Client
+from hicached.engine.link import LogOnce
 from hicached.engine.sglang.metrics import _Metrics
 from hicached.engine.sglang.namespace import KV, _join, namespace_prefix, pool_namespace
-from hicached.engine.sglang.pools import _Link
+from hicached.engine.sglang.pools import PoolLink
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -40,7 +40,7 @@ logger = logging.getLogger("hicached.engine.sglang")
 
 DEFAULT_SOCKET = "/run/hicached/hicached.sock"
 DEFAULT_TIMEOUT_S = 5.0  # a hung daemon stalls SGLang's prefetch/backup threads for at most this long
-DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to pools._RECONNECT_MAX_S
+DEFAULT_RECONNECT_S = 1.0  # first wait after a failed connect; doubles up to link.RECONNECT_MAX_S
 
 
 class HicachedStorage(_Base):
@@ -57,10 +57,9 @@ class HicachedStorage(_Base):
         self.reconnect_s = float(extra.get("reconnect_s", DEFAULT_RECONNECT_S))
         self.namespace = _join(namespace_prefix(storage_config))  # completed once the KV pool is registered
         self.mem_pool_host: Any = None
-        self.links: dict[str, _Link] = {}  # pool name -> its link; KV for the anchor pool
+        self.links: dict[str, PoolLink] = {}  # pool name -> its link; KV for the anchor pool
         self.metrics = _Metrics()
-        self._logged: set[str] = set()
-        self._log_lock = threading.Lock()
+        self.log_once = LogOnce(logger)  # shared by the pools' links: one line a kind, for the engine
 
     @property
     def page_bytes(self) -> int:
@@ -89,21 +88,11 @@ class HicachedStorage(_Base):
         old = self.links.get(name)
         if old is not None:
             old.close()
-        self.links[name] = _Link(self, name, pool, pool_namespace(self.storage_config, pool, name))
+        self.links[name] = PoolLink(self, name, pool, pool_namespace(self.storage_config, pool, name))
 
     # -- logging -----------------------------------------------------------------------------------
 
-    def log_once(self, kind: str, message: str, *args: Any) -> None:
-        with self._log_lock:
-            if kind in self._logged:
-                return
-            self._logged.add(kind)
-        logger.warning("hicached: " + message + " (logged once until the daemon answers again)", *args)
-
-    def connected(self, link: _Link) -> None:
-        with self._log_lock:
-            again = bool(self._logged)
-            self._logged.clear()
+    def connected(self, link: PoolLink, again: bool) -> None:
         how = "shared memory mapped by the daemon" if link.zero_copy else "copied by this process"
         if link.geom is None:
             how = "SGLang's page methods"
@@ -116,7 +105,7 @@ class HicachedStorage(_Base):
             how,
         )
 
-    def _kv(self, what: str) -> _Link | None:
+    def _kv(self, what: str) -> PoolLink | None:
         link = self.links.get(KV)
         if link is None:
             self.log_once("no_pool", "%s before a host pool was registered; answering misses", what)
@@ -139,7 +128,7 @@ class HicachedStorage(_Base):
 
     # -- the v2 interface: several host pools, each in a namespace of its own -----------------------
 
-    def _pool(self, name: Any) -> _Link | None:
+    def _pool(self, name: Any) -> PoolLink | None:
         link = self.links.get(str(getattr(name, "value", name)))
         if link is None:
             self.log_once(f"pool:{name}", "no host pool %s registered; answering misses", name)
@@ -185,7 +174,7 @@ class HicachedStorage(_Base):
         final_pages = restorable[-1] if restorable else 0
         return PoolTransferResult(final_pages, hit_count, restorable)
 
-    def _block_groups(self, link: _Link | None, keys: list[str], transfer: Any) -> int:
+    def _block_groups(self, link: PoolLink | None, keys: list[str], transfer: Any) -> int:
         """The pages that the pool's leading complete groups cover: its keys are the pages at block
         boundaries from the span start (every block_pages-th page's key), a group is group_pages of them."""
         block, group = int(transfer.block_pages or 0), int(transfer.group_pages or 0)
@@ -200,7 +189,7 @@ class HicachedStorage(_Base):
         return groups * group * block
 
     def _batch_v2(
-        self, transfers: Any, what: str, move: Callable[[_Link, Any], list[bool]]
+        self, transfers: Any, what: str, move: Callable[[PoolLink, Any], list[bool]]
     ) -> dict[Any, list[bool]]:
         out: dict[Any, list[bool]] = {}
         for transfer in transfers:

@@ -6,22 +6,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hicached.common.errors import CONNECTION, COPY_FAILED, NOT_FOUND, TIMEOUT, HicachedError
+from hicached.common.errors import CONNECTION, COPY_FAILED, NOT_FOUND, HicachedError
 from hicached.engine.client import Client, control
+from hicached.engine.link import Link, LogOnce, connect_backoff
+from hicached.engine.reconnect import AWAY
 from hicached.engine.vllm.rows import RegionFile, daemon_keys, daemon_pages, namespace, row_parts
 
 logger = logging.getLogger("hicached.engine.vllm")
 
 DEFAULT_SLAB_BYTES = 32 << 20  # the daemon's default pool.slab_size, if its stats do not say
-_RECONNECT_MAX_S = 30.0
 REGISTER_TIMEOUT_S = 600.0
-_DROP = (CONNECTION, COPY_FAILED, NOT_FOUND)
+# The errors on which a connection is closed and made afresh, registering the region again: those that say
+# the daemon is away (CONNECTION: it went; TIMEOUT: a late answer may hold what only closing the connection
+# gives back), and COPY_FAILED, NOT_FOUND: the daemon dropped the region (its file shrank).
+_DROP = (*AWAY, COPY_FAILED, NOT_FOUND)
 MAX_KEYS = 4096  # per request: well under server.max_keys_per_request and server.max_frame
 
 T = TypeVar("T")
@@ -68,52 +70,31 @@ class Daemon:
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
         self.namespace = ""  # known once connected
-        self.connects = 0
-        self._conn: Conn | None = None
         self._fd = region.fd  # ours (dup'd or opened): kept for registering again after a reconnect
-        self._lock = threading.Lock()
-        self._closed = False
-        self._retry_at = 0.0
-        self._backoff = reconnect_s
-        self._logged: set[str] = set()
-        self._log_lock = threading.Lock()
+        self._link: Link[Conn] = Link(
+            socket_path,
+            self._connect,
+            lambda conn: conn.client.close(),
+            backoff=connect_backoff(reconnect_s),
+            log_once=LogOnce(logger),
+            connected=self._connected,
+            down="cannot use the daemon at %s (%s); lookups miss and jobs fail until it can be used",
+            failed="%s failed (%s)",
+            drop=_DROP,
+        )
 
     @property
     def reachable(self) -> bool:
-        return self._conn is not None
+        return self._link.reachable
 
-    def log_once(self, kind: str, message: str, *args: Any) -> None:
-        with self._log_lock:
-            if kind in self._logged:
-                return
-            self._logged.add(kind)
-        logger.warning("hicached: " + message + " (logged once until the daemon answers again)", *args)
+    @property
+    def connects(self) -> int:
+        return self._link.connects
 
     def client(self) -> Conn | None:
-        with self._lock:
-            if self._conn is not None or self._closed:
-                return self._conn
-            now = time.monotonic()
-            if now < self._retry_at:
-                return None
-            try:
-                conn = self._connect()
-            except Exception as e:
-                self._retry_at = now + self._backoff
-                self._backoff = min(self._backoff * 2, _RECONNECT_MAX_S)
-                self.log_once(
-                    "connect",
-                    "cannot use the daemon at %s (%s); lookups miss and jobs fail until it can be used",
-                    self.socket_path,
-                    e,
-                )
-                return None
-            self._conn = conn
-            self._backoff = self.reconnect_s
-            self.connects += 1
-        with self._log_lock:
-            again = bool(self._logged)
-            self._logged.clear()
+        return self._link.get()
+
+    def _connected(self, conn: Conn, again: bool) -> None:
         logger.info(
             "hicached: %s %s, namespace %s, vLLM's primary region (%d rows of %d bytes%s) mapped",
             "connected again to" if again else "connected to",
@@ -123,14 +104,13 @@ class Daemon:
             self.row_bytes,
             f", {conn.parts} parts a row" if conn.parts > 1 else "",
         )
-        return conn
 
     def _connect(self) -> Conn:
         try:
             stats = control(self.socket_path, "stats", timeout=self.timeout_s)
             slab = stats.get("pool", {}).get("slabs", {}).get("slab_bytes") or DEFAULT_SLAB_BYTES
         except HicachedError as e:
-            if e.code in (CONNECTION, TIMEOUT):
+            if e.code in AWAY:
                 raise
             slab = DEFAULT_SLAB_BYTES  # a daemon that does not tell: its default; a hello too big says so
         parts = row_parts(self.row_bytes, int(slab))
@@ -157,32 +137,9 @@ class Daemon:
         self.namespace = ns
         return Conn(client, handle, parts, part_bytes, ns)
 
-    def drop(self, conn: Conn) -> None:
-        """Close `conn` (the daemon unregisters the region and gives back what it held); the next use
-        connects again, at once the first time."""
-        with self._lock:
-            if self._conn is conn:
-                self._conn = None
-                self._retry_at = 0.0
-        with contextlib.suppress(Exception):
-            conn.client.close()
-
     def call(self, what: str, fn: Callable[[Conn], T], default: T, drop_on_timeout: bool = True) -> T:
         """fn(conn), or `default` when there is no daemon or the call failed (logged once a kind)."""
-        conn = self.client()
-        if conn is None:
-            return default
-        try:
-            return fn(conn)
-        except Exception as e:
-            code = e.code if isinstance(e, HicachedError) else type(e).__name__
-            # CONNECTION: the daemon went away. TIMEOUT: a late answer may hold what only closing the
-            # connection gives back. COPY_FAILED, NOT_FOUND: the daemon dropped the region (its file shrank).
-            # Connect afresh, registering the region again.
-            if code in _DROP or (code == TIMEOUT and drop_on_timeout) or isinstance(e, OSError):
-                self.drop(conn)
-            self.log_once(f"{what}:{code}", "%s failed (%s)", what, e)
-            return default
+        return self._link.call(what, fn, default, drop_on_timeout)
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each block is in L2 or L3 (every part of a split row)."""
@@ -259,19 +216,12 @@ class Daemon:
 
     def close(self) -> None:
         """Unregister the region and close the connection; no connection is made after this."""
-        with self._lock:
-            conn, self._conn, self._closed = self._conn, None, True
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.client.unregister_region(conn.handle)
-            with contextlib.suppress(Exception):
-                conn.client.close()
+        self._link.close(bye=lambda conn: conn.client.unregister_region(conn.handle))
 
     def release_fd(self) -> None:
         """Close our fd of vLLM's file (after close()): vLLM's cleanup then frees its memory."""
-        with self._lock:
-            self._closed = True
-            fd, self._fd = self._fd, -1
+        self._link.close()  # no connect is under way, or will be, that could register the fd
+        fd, self._fd = self._fd, -1
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
