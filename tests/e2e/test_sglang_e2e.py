@@ -5,6 +5,7 @@ dynamic loader."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -153,6 +154,35 @@ def test_daemon_restart_answers_misses_then_recovers(daemon, sgl):
     r = backend(daemon.socket, dst)
     assert r.batch_get_v1(keys, indices(list(range(6)))) == [True] * 6
     assert all(sgl.raw_page_bytes(dst, i) == sgl.raw_page_bytes(src, i) for i in range(6))
+
+
+def test_a_pool_whose_registration_fails_answers_misses_and_never_raises(daemon, sgl):
+    # Regression: a registration that failed on a fresh connection (the daemon going away between the hello
+    # and the registration, memory the client refuses) raised out of SGLang's storage call, which kills
+    # SGLang's thread, and left the connection open.
+    pool = make_pool(sgl, allocator="default", seed=11)
+    keys = keys_for(11, 3)
+    daemon.stop()
+    b = backend(daemon.socket, pool)
+    link = b.links[KV]
+    good = link.geom
+    link.geom = dataclasses.replace(good, num_pages=good.num_pages * 4)  # past the pool's memory: refused
+    daemon.start()
+    # For ten times reconnect_s: connects are tried (after 0.05, 0.1 and 0.2 s), each refused.
+    until = time.monotonic() + 0.5
+    while time.monotonic() < until:
+        assert b.batch_exists(keys) == 0
+        assert b.batch_set_v1(keys, indices([0, 1, 2])) == [False] * 3
+    deadline = time.monotonic() + 10
+    while daemon.ctl("status")["connections"] > 1:  # the status request's own; the refused ones closed
+        assert time.monotonic() < deadline, "a connection whose registration failed was left open"
+        time.sleep(0.05)
+    link.geom = good
+    while b.batch_set_v1(keys, indices([0, 1, 2])) != [True] * 3:
+        assert time.monotonic() < deadline, "the adapter did not connect once its pool could be registered"
+        time.sleep(0.05)
+    assert b.batch_exists(keys) == 3
+    b.close()
 
 
 def test_an_sglang_restart_finds_its_pages(daemon, sgl):
