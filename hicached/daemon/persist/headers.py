@@ -3,8 +3,9 @@ memfd kept in systemd's fd store beside the pool, from which a start without an 
 
 The records live in their own memfd, the meta memfd, not in the pool: engines map the pool only, so no
 engine can forge or change a record, and a payload changed after its commit fails its checksum at the scan.
-With [tenants], each arena (a tenant's pool, a memfd of its own) has a meta memfd of its own, its records
-at offsets within that arena; ByArena hands each page's transitions to its arena's.
+Each arena of the pool (a tenant's pool, a memfd of its own; without [tenants] the one arena is the default
+tenant's, the whole pool) has a meta memfd of its own, its records at offsets within that arena; ByArena
+hands each page's transitions to its arena's.
 """
 
 from __future__ import annotations
@@ -516,8 +517,8 @@ def adopt(
 
 
 class ByArena:
-    """The PageRecords of a pool of several arenas: each page's transitions, and each slab given to a class,
-    go to its arena's Headers (None: that arena keeps no records)."""
+    """The PageRecords of a pool, of one arena or several: each page's transitions, and each slab given to a
+    class, go to its arena's Headers (None: that arena keeps no records)."""
 
     def __init__(self, headers: list[Headers | None]) -> None:
         self.by_arena = headers
@@ -560,13 +561,11 @@ class Observers(NamedTuple):
 
 def observers(headers: list[Headers], narenas: int = 1) -> Observers:
     """The Observers of `headers` (one Headers an arena at most; the arenas of the pool's `narenas` without
-    one keep no records). Built before the tiers: their allocators have given out no slab yet, so the slab
-    table hears of every one."""
+    one keep no records): a pool of one arena is the default tenant's, and its records go the same way as
+    every tenant's. Built before the tiers: their allocators have given out no slab yet, so the slab table
+    hears of every one."""
     if not headers:
         return Observers(None, None)
-    if narenas == 1 and len(headers) == 1 and headers[0].arena == 0:
-        h = headers[0]  # one pool, one Headers: the page life calls it directly (a commit per page stored)
-        return Observers(h, lambda arena, slab, slot_bytes: h.slab(slab, slot_bytes))
     by_arena: list[Headers | None] = [None] * narenas
     for h in headers:
         by_arena[h.arena] = h

@@ -179,7 +179,7 @@ def _drop_tenants(daemon: Any) -> None:
 
 def tenants_headers(daemon: Any) -> None:
     """With [tenants]: each arena's slot headers (kept, or made here under a service manager whose fd
-    store holds 3 fds an arena) in daemon.arena_headers, for the tiers to be handed (headers.observers),
+    store holds 3 fds an arena) in daemon.headers, for the tiers to be handed (headers.observers),
     and stored with the arena's pool. Before the tiers are built."""
     kept = {i: h for i, (_, h) in daemon._kept_tenants.items() if h is not None}
     arenas = daemon.pool.arenas
@@ -188,15 +188,15 @@ def tenants_headers(daemon: Any) -> None:
         for a in arenas:
             if a.index not in kept:
                 kept[a.index] = slot_headers.Headers.create(daemon.pool, daemon.cfg.pool.slab_size, a.index)
-    daemon.arena_headers = [kept[i] for i in sorted(kept)]
-    if not daemon.arena_headers:
+    daemon.headers = [kept[i] for i in sorted(kept)]
+    if not daemon.headers:
         return
-    for h in daemon.arena_headers:
+    for h in daemon.headers:
         h.mark_adopted()
     if not room:
         return
     stored = 0
-    for h in daemon.arena_headers:
+    for h in daemon.headers:
         name = arenas[h.arena].name
         meta_name = keep.tenant_fdname(keep.META_FDNAME, name)
         if h.fresh:
@@ -334,7 +334,7 @@ def store_l2(daemon: Any) -> None:
     if not _fd_store_has_room():
         return
     # Stored again after a restart: systemd keeps one copy of an fd it already holds.
-    if daemon.notifier.store_fd(keep.META_FDNAME, daemon.headers.fd) and daemon.notifier.store_fd(
+    if daemon.notifier.store_fd(keep.META_FDNAME, daemon.headers[0].fd) and daemon.notifier.store_fd(
         keep.POOL_FDNAME, daemon.pool.fd
     ):
         log.info("L2 and its slot headers handed to the service manager's fd store: kept over a crash")

@@ -61,8 +61,8 @@ class Daemon:
         self.restored: keep.Restored | None = None  # L2 taken back from systemd's fd store at start
         # [tenants]: arena -> what restores its kept pool: its index snapshot, or its slot headers to scan
         self._kept_tenants: dict[int, tuple[keep.Snapshot | None, slot_headers.Headers | None]] = {}
-        self.headers: slot_headers.Headers | None = None  # the pool's slot headers (what a crash keeps)
-        self.arena_headers: list[slot_headers.Headers] = []  # [tenants]: each arena's slot headers
+        # Each arena's slot headers (what a crash keeps): the pool's one arena's, or each tenant's
+        self.headers: list[slot_headers.Headers] = []
         self.takeover: takeover.Endpoint | None = None  # where a new instance asks to take over from this one
 
     # Lifecycle.
@@ -133,15 +133,15 @@ class Daemon:
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
         if self.pool.tenanted:
             kept_l2.tenants_headers(self)
-        elif headers is None and self.notifier.enabled:
-            # Only under a service manager: without one to keep them over a crash nothing reads them.
-            headers = slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
-        self.headers = headers
-        if headers is not None:
-            headers.mark_adopted()
+        else:
+            if headers is None and self.notifier.enabled:
+                # Only under a service manager: without one to keep them over a crash nothing reads them.
+                headers = slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
+            self.headers = [] if headers is None else [headers]
+            for h in self.headers:
+                h.mark_adopted()
         # The slot headers follow L2 from its first page: handed to the tiers as they are built.
-        every = self.arena_headers if self.pool.tenanted else ([headers] if headers is not None else [])
-        records, on_slab = slot_headers.observers(every, len(self.pool.arenas))
+        records, on_slab = slot_headers.observers(self.headers, len(self.pool.arenas))
         self.tiers = Tiers(cfg, self.pool, None, records=records, on_slab=on_slab)
         if headers is not None:
             kept_l2.store_l2(self)
@@ -247,9 +247,7 @@ class Daemon:
                 # nor written (warm list, fd store): it does that now.
                 await self.tiers.backend.close()
                 self.pool.close()
-                if self.headers is not None:
-                    self.headers.close()
-                for h in self.arena_headers:
+                for h in self.headers:
                     h.close()
                 self.notifier.close()
                 log.info("stopped: pid %d serves in this instance's place", self.takeover.handed_to)
@@ -285,9 +283,7 @@ class Daemon:
             await self.tiers.backend.close()
         if self.pool is not None:
             self.pool.close()
-        if self.headers is not None:
-            self.headers.close()
-        for h in self.arena_headers:
+        for h in self.headers:
             h.close()
         self.notifier.close()
         log.info("stopped")
