@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from hicached.common.counters import BACKEND, COUNTERS, DAEMON, EVENTS, METRICS
 from hicached.daemon.sched.backend import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
@@ -23,39 +24,33 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hicached.metrics")
 
-# Tier counters -> (metric, label values). Anything else counted shows up in hicached_events_total.
+# The daemon's counters that feed a family of their own -> (family, label values); the names, help texts and
+# labels are declared in hicached.common.counters. Any other daemon counter shows up in hicached_events_total;
+# backend.failures.<backend>.<reason> in hicached_backend_failures_total.
 _COUNTERS = {
-    "lookup.l2_hits": ("hicached_lookup_hits_total", {"tier": "l2"}),
-    "lookup.l3_hits": ("hicached_lookup_hits_total", {"tier": "l3"}),
-    "lookup.misses": ("hicached_lookup_misses_total", {}),
-    "store.pages": ("hicached_stored_pages_total", {}),
-    "store.bytes": ("hicached_stored_bytes_total", {}),
-    "load.pages": ("hicached_loaded_pages_total", {}),
-    "load.bytes": ("hicached_loaded_bytes_total", {}),
-    "load.misses": ("hicached_load_misses_total", {}),
-    "prefetch.pages": ("hicached_prefetched_pages_total", {}),
-    "prefetch.bytes": ("hicached_prefetched_bytes_total", {}),
-    "backup.pages": ("hicached_backed_up_pages_total", {}),
-    "backup.bytes": ("hicached_backed_up_bytes_total", {}),
-    "backup.failed": ("hicached_backup_failed_pages_total", {}),
-    "backup.lost": ("hicached_backup_lost_pages_total", {}),
-    # Pages whose bytes no longer hashed to the checksum they were stored with: never written to L3.
-    "backup.changed": ("hicached_backup_changed_pages_total", {}),
-    "backend.swaps": ("hicached_backend_swaps_total", {"outcome": "ok"}),
-    "backend.swap_failures": ("hicached_backend_swaps_total", {"outcome": "failed"}),
-    "backend.breaker_trips": ("hicached_breaker_trips_total", {}),
-    # Breaker trips because the backend stalled (calls in flight, none finished in stall_timeout).
-    "backend.stalls": ("hicached_backend_stalls_total", {}),
-    # Pages that stopped being held in L2 for L3 by the backlog bound (storage.when_backlog_full), and of
-    # those, the ones that left L2 before reaching L3.
-    "backup.dropped": ("hicached_backup_dropped_pages_total", {}),
-    "backup.dropped_gone": ("hicached_backup_dropped_gone_pages_total", {}),
-    # The fleet (nodes sharing one L3): pages read from L3 that another node stored (as far as this node can
-    # tell: hicached.daemon.sched.origin), and clears made here or seen from other nodes (epochs.py).
-    "prefetch.other_nodes_pages": ("hicached_l3_other_nodes_pages_total", {}),
-    "fleet.clears_made": ("hicached_fleet_clears_total", {"origin": "this_node"}),
-    "fleet.clears_seen": ("hicached_fleet_clears_total", {"origin": "other_node"}),
+    c.name: (c.metric, dict(c.labels))
+    for c in COUNTERS
+    if c.where == DAEMON and c.metric is not None and not c.parts
 }
+_FAILURES = "backend.failures."
+# The attached backend's counters that feed a family, by reason (corrupt.<reason>, misfit.<reason>), and the
+# file backend's janitor (storage.file.max_bytes).
+_BY_REASON = {
+    c.name.removesuffix("{reason}"): c.metric
+    for c in COUNTERS
+    if c.where == BACKEND and c.metric is not None and c.parts == ("reason",)
+}
+_JANITOR = [(c.metric, c.name) for c in COUNTERS if c.where == BACKEND and c.group == "janitor" and c.metric]
+
+
+def _counter(name: str) -> CounterMetricFamily:
+    m = METRICS[name]
+    return CounterMetricFamily(m.name, m.help, labels=list(m.labels) or None)
+
+
+def _gauge(name: str, value: float | None = None) -> GaugeMetricFamily:
+    m = METRICS[name]
+    return GaugeMetricFamily(m.name, m.help, value=value, labels=list(m.labels) or None)
 
 
 class Figures(Protocol):
@@ -74,21 +69,17 @@ class DaemonCollector(Collector):
         d = self.daemon
         tiers = d.tiers
         grouped: dict[str, CounterMetricFamily] = {}
-        events = CounterMetricFamily("hicached_events", "Other daemon events, by name", labels=["event"])
-        failures = CounterMetricFamily(
-            "hicached_backend_failures", "Failed backend calls", labels=["backend", "reason"]
-        )
+        events = _counter(EVENTS)
+        failures = _counter("hicached_backend_failures")
         for key, value in sorted(tiers.counters.items()):
             if key in _COUNTERS:
                 name, labels = _COUNTERS[key]
                 fam = grouped.get(name)
                 if fam is None:
-                    fam = grouped[name] = CounterMetricFamily(
-                        name.removesuffix("_total"), name, labels=sorted(labels)
-                    )
-                fam.add_metric([labels[k] for k in sorted(labels)], value)
-            elif key.startswith("backend.failures."):
-                _, _, backend, reason = key.split(".", 3)
+                    fam = grouped[name] = _counter(name)
+                fam.add_metric([labels[k] for k in METRICS[name].labels], value)
+            elif key.startswith(_FAILURES):
+                backend, _, reason = key.removeprefix(_FAILURES).partition(".")
                 failures.add_metric([backend, reason], value)
             else:
                 events.add_metric([key], value)
@@ -96,88 +87,58 @@ class DaemonCollector(Collector):
         yield failures
         yield events
         if tiers.connector is not None:
-            corrupt = CounterMetricFamily(
-                "hicached_corrupt_pages", "Corrupt L3 pages found", labels=["reason"]
-            )
-            misfit = CounterMetricFamily(
-                "hicached_misfit_pages",
-                "L3 pages of another page size or format (another node's), left in place",
-                labels=["reason"],
-            )
+            by_reason = {prefix: _counter(name) for prefix, name in _BY_REASON.items()}
             for key, value in tiers.connector.counters.items():
-                if key.startswith("corrupt."):
-                    corrupt.add_metric([key.removeprefix("corrupt.")], value)
-                elif key.startswith("misfit."):
-                    misfit.add_metric([key.removeprefix("misfit.")], value)
-            yield corrupt
-            yield misfit
+                prefix, _, reason = key.partition(".")
+                if prefix + "." in by_reason:
+                    by_reason[prefix + "."].add_metric([reason], value)
+            yield from by_reason.values()
             if tiers.connector.name == "file":  # the file backend's bound (storage.file.max_bytes)
                 c = tiers.connector.counters
-                for name, doc, key in (
-                    (
-                        "hicached_l3_janitor_removed_pages",
-                        "L3 pages removed by this node's janitor",
-                        "evictions",
-                    ),
-                    ("hicached_l3_janitor_removed_bytes", "Bytes of those pages", "evicted_bytes"),
-                ):
-                    family = CounterMetricFamily(name, doc)
+                for name, key in _JANITOR:
+                    family = _counter(name)
                     family.add_metric([], c.get(key, 0))
                     yield family
-                yield GaugeMetricFamily(
-                    "hicached_l3_file_bytes",
-                    "Bytes under the file backend's root, all nodes' (an estimate between scans)",
-                    value=tiers.connector.stored_bytes,
-                )
+                yield _gauge("hicached_l3_file_bytes", tiers.connector.stored_bytes)
         idx = tiers.index
-        evictions = CounterMetricFamily("hicached_evictions", "Pages evicted from L2")
+        evictions = _counter("hicached_evictions")
         evictions.add_metric([], idx.counters.get("evictions", 0))
         yield evictions
         used = idx.used_bytes()
-        for name, doc, value in (
-            ("hicached_pool_capacity_bytes", "L2 pool capacity", idx.capacity),
-            ("hicached_pool_used_bytes", "L2 bytes in slots in use", used),
-            ("hicached_pool_pages", "Pages in L2", len(idx.entries)),
-            ("hicached_pool_reserved_bytes", "L2 bytes in slots held ahead for stores", idx.reserved_bytes),
-            ("hicached_pool_dirty_pages", "Pages in L2 not yet in L3", idx.dirty_pages),
-            ("hicached_pool_unbacked_bytes", "L2 bytes held for pages not yet in L3", idx.dirty_bytes),
-            ("hicached_backup_queue_pages", "Pages queued or being written to L3", tiers.backup.pending),
-            ("hicached_prefetch_queue_pages", "Pages queued or being read from L3", tiers.prefetcher.pending),
-            ("hicached_connections", "Engine connections", len(d.server.connections) if d.server else 0),
+        for name, value in (
+            ("hicached_pool_capacity_bytes", idx.capacity),
+            ("hicached_pool_used_bytes", used),
+            ("hicached_pool_pages", len(idx.entries)),
+            ("hicached_pool_reserved_bytes", idx.reserved_bytes),
+            ("hicached_pool_dirty_pages", idx.dirty_pages),
+            ("hicached_pool_unbacked_bytes", idx.dirty_bytes),
+            ("hicached_backup_queue_pages", tiers.backup.pending),
+            ("hicached_prefetch_queue_pages", tiers.prefetcher.pending),
+            ("hicached_connections", len(d.server.connections) if d.server else 0),
         ):
-            yield GaugeMetricFamily(name, doc, value=value)
+            yield _gauge(name, value)
         if tiers.tenanted:  # each tenant's pool (hicached.daemon.l2.pool: an arena)
             per = {
-                key: GaugeMetricFamily(f"hicached_tenant_pool_{key}", doc, labels=["tenant"])
-                for key, doc in (
-                    ("capacity_bytes", "A tenant's L2 pool capacity"),
-                    ("used_bytes", "L2 bytes in slots in use in a tenant's pool"),
-                    ("pages", "Pages in a tenant's L2 pool"),
-                    ("unbacked_bytes", "Bytes of a tenant's pool held for pages not yet in L3"),
-                )
+                key: _gauge(f"hicached_tenant_pool_{key}")
+                for key in ("capacity_bytes", "used_bytes", "pages", "unbacked_bytes")
             }
             for a in tiers.pool.arenas:
                 figures = tiers.tenant_stats(a.name)
                 for key, family in per.items():
                     family.add_metric([a.name], figures[key])
             yield from per.values()
-        attached = GaugeMetricFamily(
-            "hicached_backend_attached", "1 when an L3 backend is attached", labels=["backend", "state"]
-        )
+        attached = _gauge("hicached_backend_attached")
         attached.add_metric([tiers.backend.configured, tiers.backend.state], 1 if tiers.connector else 0)
         yield attached
-        yield GaugeMetricFamily(
-            "hicached_backend_detached_since_seconds",
-            "Unix time since the L3 backend is not attached (0 while attached); why: ctl status",
-            value=0.0 if tiers.connector else tiers.backend.since,
+        yield _gauge(
+            "hicached_backend_detached_since_seconds", 0.0 if tiers.connector else tiers.backend.since
         )
-        reloads = CounterMetricFamily("hicached_reloads", "Configuration reloads", labels=["outcome"])
+        reloads = _counter("hicached_reloads")
         for outcome, n in d.reloads.items():
             reloads.add_metric([outcome], n)
         yield reloads
-        hist = HistogramMetricFamily(
-            "hicached_backend_latency_seconds", "Backend call latency", labels=["backend", "op"]
-        )
+        m = METRICS["hicached_backend_latency_seconds"]
+        hist = HistogramMetricFamily(m.name, m.help, labels=list(m.labels))
         for (backend, op), h in sorted(tiers.backend.latency.items()):
             cumulative, buckets = 0, []
             for bound, n in zip((*LATENCY_BUCKETS, float("inf")), h.counts, strict=True):
