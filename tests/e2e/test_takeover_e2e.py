@@ -216,8 +216,9 @@ def test_new_instance_gone_after_the_hand_over(daemons):
 
     async def take_and_vanish() -> int:
         handed = await takeover.request(old.socket, CAP, SLAB)
-        for fd in (handed.pool_fd, handed.index_fd):
-            os.close(fd)
+        for _, pool_fd, index_fd in handed.arenas:
+            os.close(pool_fd)
+            os.close(index_fd)
         handed.listen.close()
         handed.sock.close()
         return handed.pages

@@ -23,6 +23,7 @@ import xxhash
 
 from hicached.common.keys import stored_namespace, valid_key, valid_namespace, valid_stored_namespace
 from hicached.daemon.l2.index import QUARANTINED, READY, Entry
+from hicached.daemon.l2.pool import DEFAULT_ARENA
 from hicached.daemon.l2.slabs import ALIGN, slot_size
 
 if TYPE_CHECKING:
@@ -44,6 +45,13 @@ def tenant_fdname(name: str, tenant: str) -> str:
     each tenant's pool is kept on its own: POOL_FDNAME.TENANT beside INDEX_FDNAME.TENANT and
     META_FDNAME.TENANT)."""
     return f"{name}.{tenant}"
+
+
+def arena_fdname(name: str, arena: str, narenas: int) -> str:
+    """The fd store name of an arena's pool, index snapshot or slot headers (`name`: POOL_FDNAME, ...) in a
+    pool of `narenas`: NAME.ARENA (tenant_fdname), but NAME for the default tenant's arena alone (a pool
+    without [tenants]): what a release before tenants stored, and reads."""
+    return name if narenas == 1 and arena == DEFAULT_ARENA else tenant_fdname(name, arena)
 
 
 def is_kept_fdname(name: str) -> bool:

@@ -3,22 +3,24 @@ index snapshot from the instance serving the same socket, over SCM_RIGHTS on `<s
 
 The exchange, one msgpack map per SOCK_SEQPACKET message (fds ride with the message they belong to):
 
-    new -> old  hello     {version, format, pool_bytes, slab_bytes, pid, [arenas]}
+    new -> old  hello     {version, format, pool_bytes, slab_bytes, pid, [arenas], named}
     old -> new  offer     the same fields of the old instance, or refused {reason}
     new -> old  go
-    old -> new  handover  {pages, owed, tenant_sockets, [arenas]}; fds: listening socket, pool memfd, index
-                          snapshot memfd, then the tenants' listening sockets (the new instance matches
-                          them by path)
-    old -> new  arena     {name}; fds: that tenant's pool memfd, its index snapshot memfd: with [tenants],
-                          one for each arena after the first (whose fds rode with the handover)
+    old -> new  handover  {pages, owed, fds, more}; fds: each named in `fds` ([role, arena] an fd, in the
+                          order they ride): the listening socket ("listen"), each arena's pool memfd
+                          ("pool", its name) and index snapshot memfd ("index", its name), the tenants'
+                          listening sockets ("tenant_listen": the new instance matches them by path)
+    old -> new  fds       {fds, more}: the fds past what one message carries (SCM_MAX_FD), named the same
     new -> old  serving   (or abort {reason}; or nothing: the old instance then serves again)
 
-With [tenants], hello and offer carry `arenas`, the pool's arenas ([name, bytes], each tenant's pool in the
-order the pool maps them): both ends must have the same, or the takeover is refused (a takeover keeps each
-tenant's L2 as it is; a changed capacity is a restart's to handle). Without [tenants] neither carries it,
-and the exchange is what version 1 always was: an instance of a release before tenants' takeovers takes
-over from this one and back; one with [tenants] on either side is refused at the offer, before anything is
-handed over.
+Every pool is arenas: the default tenant's alone without [tenants]. Hello and offer carry `arenas`, the
+pool's arenas ([name, bytes], in the order the pool maps them), where there are tenants: both ends must have
+the same, or the takeover is refused (a takeover keeps each tenant's L2 as it is; a changed capacity is a
+restart's to handle). A pool of the default tenant's arena alone leaves it out, as a release before tenants
+did: such a release takes over from this one and back. Its hello and offer lack `named`, and its hand-over
+names no fd: they ride by position (listening socket, pool, index snapshot, then the tenants' sockets), the
+arenas after the first one message each ({op: arena, name}; fds: pool, index snapshot). This instance reads
+that form from an instance whose offer lacks `named`, and sends it to one whose hello does (_positional).
 
 Both ends check the other's SO_PEERCRED: only the same uid, or root, takes over or is taken over from.
 """
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 
 from hicached.config.units import format_size
+from hicached.daemon.l2.pool import DEFAULT_ARENA
 from hicached.daemon.persist import keep
 
 if TYPE_CHECKING:
@@ -67,6 +70,9 @@ log = logging.getLogger("hicached.takeover")
 VERSION = 1  # of this exchange; a change that an older instance would misread bumps it
 SUFFIX = ".takeover"  # the endpoint is the main socket's path with this suffix
 SOCKET_FDNAME = "hicached-takeover-socket"  # the listening socket's name when the old instance serves again
+# The fds a hand-over names, by role (with an arena's name for a pool and its index snapshot).
+LISTEN, POOL, INDEX, TENANT_LISTEN = "listen", "pool", "index", "tenant_listen"
+SCM_MAX_FD = 253  # the most fds one message carries (Linux)
 # The tenants' listening sockets when the old instance serves again: fds past systemd's ($LISTEN_FDS names
 # only server.socket's, which is what socket activation covers), listed in this variable.
 TENANT_FDS_ENV = "HICACHED_TAKEOVER_TENANT_FDS"
@@ -130,17 +136,28 @@ def _pools(arenas: Any) -> str:
 
 
 def describe(pool_bytes: int, slab_bytes: int, arenas: list[tuple[str, int]] | None = None) -> dict[str, Any]:
-    """What hello and offer say of an instance; `arenas`: its pool's, with [tenants] only."""
-    out = {
+    """What hello and offer say of an instance; `arenas`: its pool's (left out for the default tenant's
+    arena alone, as a release before tenants says nothing of arenas). `named`: it reads and sends a
+    hand-over whose fds are named."""
+    out: dict[str, Any] = {
         "version": VERSION,
         "format": keep.FORMAT,
         "pool_bytes": pool_bytes,
         "slab_bytes": slab_bytes,
         "pid": os.getpid(),
+        "named": True,
     }
-    if arenas is not None:
-        out["arenas"] = [[name, size] for name, size in arenas]
+    said = _said_arenas(arenas)
+    if said is not None:
+        out["arenas"] = said
     return out
+
+
+def _said_arenas(arenas: list[tuple[str, int]] | None) -> list[list[Any]] | None:
+    """The pool's arenas as hello and offer say them: None for the default tenant's arena alone."""
+    if not arenas or [name for name, _ in arenas] == [DEFAULT_ARENA]:
+        return None
+    return [[name, size] for name, size in arenas]
 
 
 def _peer_uid(sock: socket.socket) -> tuple[int, int]:
@@ -231,15 +248,13 @@ class Handed:
 
     sock: socket.socket  # the exchange
     listen: socket.socket
-    pool_fd: int
-    index_fd: int
     pid: int  # of the old instance
     pages: int
     owed: int
+    # Each arena's (name, pool memfd, index snapshot memfd), in the order the pool maps them
+    arenas: list[tuple[str, int, int]]
     done: bool = False  # confirmed or aborted
     tenant_listen: list[socket.socket] = field(default_factory=list)  # the tenants' listening sockets
-    # With [tenants]: each arena's (name, pool memfd, index snapshot memfd), the first's pool_fd, index_fd
-    arenas: list[tuple[str, int, int]] = field(default_factory=list)
 
     async def confirm(self) -> None:
         self.done = True
@@ -259,8 +274,8 @@ async def request(
 ) -> Handed | None:
     """Takes over from the instance serving `socket_path`: None when none offers a takeover there (nothing
     listens on its endpoint), what it handed over otherwise; TakeoverError, with the old instance left
-    serving, when it cannot happen. `arenas`: this instance's pool's ([tenants]), which the old one's must
-    be."""
+    serving, when it cannot happen. `arenas`: this instance's pool's, which the old one's must be (None: the
+    default tenant's arena alone)."""
     path = endpoint_path(socket_path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
     loop = asyncio.get_running_loop()
@@ -287,32 +302,17 @@ async def request(
             if why is not None:
                 raise TakeoverError(f"cannot take over from the daemon (pid {pid}): {why}")
             await _send(sock, {"op": "go"})
-            msg, fds = await _recv(sock, HANDOVER_S, want=3, extra=MAX_TENANT_SOCKETS)
+            names = [name for name, _ in arenas or [(DEFAULT_ARENA, pool_bytes)]]
+            receive = _recv_named if offer.get("named") else _recv_positional
+            msg, entries = await receive(sock, names)
         except _PeerError as e:
             raise TakeoverError(f"the daemon (pid {pid}) did not hand over: {e}") from None
-        if msg["op"] != "handover":
-            for fd in fds:
-                os.close(fd)
-            raise TakeoverError(f"the daemon (pid {pid}) answered {msg['op']!r} instead of handing over")
-        listens = [socket.socket(fileno=fd) for fd in (fds[0], *fds[3:])]
-        if any(s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM for s in listens):
-            for s in listens:
-                s.close()
-            os.close(fds[1])
-            os.close(fds[2])
-            raise TakeoverError("the daemon handed over an fd that is not a listening Unix stream socket")
         try:
-            pools = await _recv_arenas(sock, msg, [name for name, _ in arenas or []], fds[1], fds[2])
+            return _handed(sock, pid, msg, entries, names)
         except _PeerError as e:
-            for s in listens:
-                s.close()
-            os.close(fds[1])
-            os.close(fds[2])
-            raise TakeoverError(f"the daemon (pid {pid}) did not hand over its tenants' pools: {e}") from None
-        pages, owed = int(msg.get("pages", 0)), int(msg.get("owed", 0))
-        return Handed(
-            sock, listens[0], fds[1], fds[2], pid, pages, owed, tenant_listen=listens[1:], arenas=pools
-        )
+            for _, _, fd in entries:
+                os.close(fd)
+            raise TakeoverError(f"the daemon (pid {pid}) did not hand over as agreed: {e}") from None
     except TakeoverError as e:
         sock.close()
         raise TakeoverError(f"{e}; the running daemon serves on, this instance exits") from None
@@ -321,31 +321,104 @@ async def request(
         raise
 
 
-async def _recv_arenas(
-    sock: socket.socket, handover: dict[str, Any], names: list[str], pool_fd: int, index_fd: int
-) -> list[tuple[str, int, int]]:
-    """With [tenants] (`names`: the arenas agreed in hello and offer), each arena's pool and index snapshot
-    fds: the first arena's came with the handover, the others' come one message each. _PeerError if they
-    do not come as agreed (the fds that did are closed, but the first arena's: the caller's)."""
-    if handover.get("arenas") != (names or None):
-        raise _PeerError(f"it handed over arenas {handover.get('arenas')!r}, not {names!r}")
-    if not names:
-        return []
-    out = [(names[0], pool_fd, index_fd)]
+Entries = list[tuple[str, str, int]]  # (role, arena name or "", fd), in the order they came
+
+
+def _named(msg: dict[str, Any], fds: list[int]) -> Entries:
+    """The fds of one message of a named hand-over, with the names `msg` gives them."""
+    names = msg.get("fds")
+    if (
+        not isinstance(names, list)
+        or len(names) != len(fds)
+        or not all(isinstance(n, list) and len(n) == 2 and all(isinstance(w, str) for w in n) for n in names)
+    ):
+        raise _PeerError(f"it handed over {len(fds)} fds named {repr(names)[:200]}")
+    return [(role, name, fd) for (role, name), fd in zip(names, fds, strict=True)]
+
+
+async def _recv_named(sock: socket.socket, names: list[str]) -> tuple[dict[str, Any], Entries]:
+    """A hand-over whose fds are named: the handover message, then one more while `more` says so.
+    _PeerError if it does not come whole (the fds that came are closed)."""
+    entries: Entries = []
     try:
+        msg, fds = await _recv(sock, HANDOVER_S, want=1, extra=SCM_MAX_FD - 1)
+        entries += [("", "", fd) for fd in fds]
+        if msg["op"] != "handover":
+            raise _PeerError(f"it answered {msg['op']!r} instead of handing over")
+        entries[:] = _named(msg, fds)
+        more = msg.get("more")
+        while more:
+            part, fds = await _recv(sock, HANDOVER_S, want=1, extra=SCM_MAX_FD - 1)
+            entries += [("", "", fd) for fd in fds]
+            if part["op"] != "fds":
+                raise _PeerError(f"it sent {part['op']!r} where the rest of the hand-over was due")
+            entries[len(entries) - len(fds) :] = _named(part, fds)
+            more = part.get("more")
+    except BaseException:
+        for _, _, fd in entries:
+            os.close(fd)
+        raise
+    return msg, entries
+
+
+async def _recv_positional(sock: socket.socket, names: list[str]) -> tuple[dict[str, Any], Entries]:
+    """The hand-over of a release before named fds, read as named entries: the listening socket, the first
+    arena's pool and index snapshot, then the tenants' sockets; each other arena (`names`: the arenas
+    agreed in hello and offer) one message after. _PeerError if they do not come as agreed (the fds that
+    came are closed)."""
+    entries: Entries = []
+    try:
+        msg, fds = await _recv(sock, HANDOVER_S, want=3, extra=MAX_TENANT_SOCKETS)
+        entries += [(TENANT_LISTEN, "", fd) for fd in fds]
+        if msg["op"] != "handover":
+            raise _PeerError(f"it answered {msg['op']!r} instead of handing over")
+        entries[:3] = [(LISTEN, "", fds[0]), (POOL, names[0], fds[1]), (INDEX, names[0], fds[2])]
+        said = [name for name, _ in _said_arenas([(n, 0) for n in names]) or []]
+        if msg.get("arenas") != (said or None):
+            raise _PeerError(f"it handed over arenas {msg.get('arenas')!r}, not {said!r}")
         for name in names[1:]:
-            msg, fds = await _recv(sock, HANDOVER_S, want=2)
-            out.append((name, fds[0], fds[1]))
-            if msg["op"] != "arena" or msg.get("name") != name:
+            part, fds = await _recv(sock, HANDOVER_S, want=2)
+            entries += [(POOL, name, fds[0]), (INDEX, name, fds[1])]
+            if part["op"] != "arena" or part.get("name") != name:
                 raise _PeerError(
-                    f"it sent {msg['op']!r} {msg.get('name')!r} where tenant {name}'s pool was due"
+                    f"it sent {part['op']!r} {part.get('name')!r} where tenant {name}'s pool was due"
                 )
     except BaseException:
-        for _, p, i in out[1:]:
-            os.close(p)
-            os.close(i)
+        for _, _, fd in entries:
+            os.close(fd)
         raise
-    return out
+    return msg, entries
+
+
+def _handed(sock: socket.socket, pid: int, msg: dict[str, Any], entries: Entries, names: list[str]) -> Handed:
+    """What the entries of a hand-over are: _PeerError (the caller closes every fd) unless they are one
+    listening socket, a pool and an index snapshot for each arena of `names`, and the tenants' sockets."""
+    by: dict[tuple[str, str], int] = {}
+    tenant_listen = []
+    for role, name, fd in entries:
+        if role == TENANT_LISTEN:
+            tenant_listen.append(fd)
+        elif (role, name) in by or role not in (LISTEN, POOL, INDEX):
+            raise _PeerError(f"it handed over {role!r} {name!r} twice, or one a hand-over does not hold")
+        else:
+            by[(role, name)] = fd
+    want = {(LISTEN, "")} | {(role, name) for name in names for role in (POOL, INDEX)}
+    if set(by) != want:
+        raise _PeerError(f"it handed over {sorted(by)}, not {sorted(want)}")
+    for fd in (by[(LISTEN, "")], *tenant_listen):
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM:
+                raise _PeerError("it handed over an fd that is not a listening Unix stream socket")
+    listens = [socket.socket(fileno=fd) for fd in (by[(LISTEN, "")], *tenant_listen)]
+    return Handed(
+        sock,
+        listens[0],
+        pid,
+        int(msg.get("pages", 0)),
+        int(msg.get("owed", 0)),
+        [(name, by[(POOL, name)], by[(INDEX, name)]) for name in names],
+        tenant_listen=listens[1:],
+    )
 
 
 # The old instance's side.
@@ -441,8 +514,7 @@ class Endpoint:
         if self._busy or d.should_exit.is_set() or d.tiers is None:
             await self._refuse(conn, pid, "the daemon is already being taken over or stopping")
             return
-        arenas = [(a.name, a.size) for a in d.pool.arenas] if d.tiers.tenanted else None
-        mine = describe(d.pool.size, d.cfg.pool.slab_size, arenas)
+        mine = describe(d.pool.size, d.cfg.pool.slab_size, [(a.name, a.size) for a in d.pool.arenas])
         why = (
             mismatch(mine, hello)
             if hello["op"] == "hello"
@@ -462,18 +534,17 @@ class Endpoint:
             self._busy = False
             conn.close()
             return
-        await self._hand_over(conn, pid)
+        await self._hand_over(conn, pid, named=bool(hello.get("named")))
 
-    async def _hand_over(self, conn: socket.socket, pid: int) -> None:
+    async def _hand_over(self, conn: socket.socket, pid: int, named: bool) -> None:
         d = self.daemon
         log.info("pid %d takes over: no longer accepting; answering the requests in flight", pid)
         self.close()
         snaps: list[tuple[keep.Snapshot, int]] = []
         try:
             lsocks = await d.quiesce(DRAIN_S)
-            lsock = lsocks[0]
-            # Each arena's snapshot, with [tenants]: a tenant's pool is handed over on its own.
-            for a in d.pool.arenas if d.tiers.tenanted else d.pool.arenas[:1]:
+            # Each arena's snapshot: a tenant's pool is handed over on its own.
+            for a in d.pool.arenas:
                 snaps.append(d.l2_snapshot(a.index))
         except Exception:
             for _, fd in snaps:
@@ -486,26 +557,24 @@ class Endpoint:
             return
         pages = sum(len(snap.pages) for snap, _ in snaps)
         owed = sum(p.owed for snap, _ in snaps for p in snap.pages)
-        arenas = d.pool.arenas[: len(snaps)]
+        arenas = d.pool.arenas
+        entries: Entries = [(LISTEN, "", lsocks[0].fileno())]
+        for a, (_, snap_fd) in zip(arenas, snaps, strict=True):
+            entries += [(POOL, a.name, a.fd), (INDEX, a.name, snap_fd)]
+        entries += [(TENANT_LISTEN, "", s.fileno()) for s in lsocks[1:]]
         # What the old instance serves again from if the new one does not take over: as systemd's fd store
-        # would hand it to a start (a tenant's pool and index under its names, or the pool's).
-        if d.tiers.tenanted:
-            kept = [
-                (keep.tenant_fdname(n, a.name), fd)
-                for a, (_, snap_fd) in zip(arenas, snaps, strict=True)
-                for n, fd in ((keep.POOL_FDNAME, a.fd), (keep.INDEX_FDNAME, snap_fd))
-            ]
-        else:
-            kept = [(keep.POOL_FDNAME, d.pool.fd), (keep.INDEX_FDNAME, snaps[0][1])]
-        msg = {"op": "handover", "pages": pages, "owed": owed, "tenant_sockets": len(lsocks) - 1}
-        if d.tiers.tenanted:
-            msg["arenas"] = [a.name for a in arenas]
+        # would hand it to a start (each arena's pool and index under its names).
+        kept = [
+            (keep.arena_fdname(n, a.name, len(arenas)), fd)
+            for a, (_, snap_fd) in zip(arenas, snaps, strict=True)
+            for n, fd in ((keep.POOL_FDNAME, a.fd), (keep.INDEX_FDNAME, snap_fd))
+        ]
+        said = _said_arenas([(a.name, a.size) for a in arenas])
+        messages = _named_messages(entries) if named else _positional(entries, said)
+        messages[0][0].update(pages=pages, owed=owed)
         try:
-            await _send(
-                conn, msg, [lsock.fileno(), arenas[0].fd, snaps[0][1], *(s.fileno() for s in lsocks[1:])]
-            )
-            for a, (_, snap_fd) in zip(arenas[1:], snaps[1:], strict=True):
-                await _send(conn, {"op": "arena", "name": a.name}, [a.fd, snap_fd])
+            for msg, fds in messages:
+                await _send(conn, msg, fds)
             answer, _ = await _recv(conn, CONFIRM_S)
             if answer["op"] != "serving":
                 raise _PeerError(f"it gave up: {answer.get('reason', answer['op'])}")
@@ -528,9 +597,38 @@ class Endpoint:
             pid,
             pages,
             owed,
-            f"; {len(snaps)} tenants' pools" if d.tiers.tenanted else "",
+            f"; {len(snaps)} tenants' pools" if said is not None else "",
         )
         d.should_exit.set()
+
+
+def _named_messages(entries: Entries) -> list[tuple[dict[str, Any], list[int]]]:
+    """A hand-over whose fds are named: the handover message, and one `fds` message for each SCM_MAX_FD
+    past the first."""
+    out: list[tuple[dict[str, Any], list[int]]] = []
+    for at in range(0, len(entries), SCM_MAX_FD):
+        part = entries[at : at + SCM_MAX_FD]
+        msg = {"op": "fds" if at else "handover", "fds": [[role, name] for role, name, _ in part]}
+        msg["more"] = at + SCM_MAX_FD < len(entries)
+        out.append((msg, [fd for _, _, fd in part]))
+    return out
+
+
+def _positional(entries: Entries, said: list[list[Any]] | None) -> list[tuple[dict[str, Any], list[int]]]:
+    """The hand-over as a release before named fds reads it (its hello lacks `named`): the listening socket,
+    the first arena's pool and index snapshot, the tenants' sockets; then each other arena's two, one message
+    each. `said`: the arenas as hello and offer said them (None for the default tenant's arena alone)."""
+    listen = [fd for role, _, fd in entries if role == LISTEN]
+    tenant = [fd for role, _, fd in entries if role == TENANT_LISTEN]
+    pools = [(name, fd) for role, name, fd in entries if role == POOL]
+    index = {name: fd for role, name, fd in entries if role == INDEX}
+    msg: dict[str, Any] = {"op": "handover", "tenant_sockets": len(tenant)}
+    if said is not None:
+        msg["arenas"] = [name for name, _ in said]
+    (first, pool), rest = pools[0], pools[1:]
+    out = [(msg, [*listen, pool, index[first], *tenant])]
+    out += [({"op": "arena", "name": name}, [fd, index[name]]) for name, fd in rest]
+    return out
 
 
 def _serve_again(listens: list[socket.socket], kept: list[tuple[str, int]]) -> None:

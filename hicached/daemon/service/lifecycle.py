@@ -83,18 +83,19 @@ class Daemon:
             await self._start(kept, listen_sock)
             return
         try:
-            if handed.arenas:
+            if cfg.tenants:
                 passed = {name: ([pool_fd], [index_fd], []) for name, pool_fd, index_fd in handed.arenas}
                 kept = kept_l2.adopt_tenants(self, passed, strict=True)
             else:
-                kept = kept_l2.adopt(cfg, [handed.pool_fd], [handed.index_fd])
+                (_, pool_fd, index_fd) = handed.arenas[0]
+                kept = kept_l2.adopt(cfg, [pool_fd], [index_fd])
             listen_sock = handed.listen
             log.info(
                 "taking over from pid %d: its socket, L2 (%d pages, %d owed to L3%s) and its index",
                 handed.pid,
                 handed.pages,
                 handed.owed,
-                f"; {len(handed.arenas)} tenants' pools" if handed.arenas else "",
+                f"; {len(handed.arenas)} tenants' pools" if cfg.tenants else "",
             )
             await self._start(kept, listen_sock, handed)
         except BaseException as e:
