@@ -368,7 +368,7 @@ def main() -> int:
     p.add_argument("--json", help="write every figure here too")
     p.add_argument("--sim-only", action="store_true", help="the offline caches alone: no daemon")
     p.add_argument("--dir", help="where the daemons' directories go (default: a temporary one)")
-    p.add_argument("--eviction", default="lru", help="pool.eviction: lru, slru, or both: lru,slru")
+    p.add_argument("--eviction", default="lru", help="pool.eviction: lru, slru, auto, or several: lru,auto")
     a = p.parse_args()
     trace = trace_sim.read_trace(a.trace)
     if a.limit:

@@ -17,7 +17,7 @@ Path = Annotated[str, "path"]
 Backend = Literal["none", "file", "redis", "s3"]
 WritePolicy = Literal["write_through", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
-Eviction = Literal["slru", "lru"]
+Eviction = Literal["auto", "slru", "lru"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 BacklogFull = Literal["drop_oldest", "refuse"]
 
@@ -93,9 +93,11 @@ class PoolConfig:
     reserve_per_connection: Size = 32 * MiB
     # The bound on those slots over all connections, as a share of the pool.
     reserve_max_fraction: float = 0.125
-    # What L2 evicts first (hicached.daemon.l2.index): "lru", or "slru" (segmented LRU with a ghost of
+    # What L2 evicts first (hicached.daemon.l2.index): "lru"; "slru" (segmented LRU with a ghost of
     # recent evictions: pages used again are kept over pages stored once; 1.04-1.07x LRU's hits on the
-    # Mooncake trace, up to 11% fewer on multi-turn traffic: choose on your trace, docs/sizing.md).
+    # Mooncake trace, up to 11% fewer on multi-turn traffic); or "auto": slru's lists kept, and LRU or
+    # slru followed, whichever two small shadow caches of one key in eight show winning on the traffic
+    # of the moment (docs/sizing.md).
     eviction: Eviction = "lru"
 
 

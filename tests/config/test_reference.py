@@ -28,4 +28,4 @@ def test_every_key_is_in_the_reference_with_its_comment() -> None:
     assert "Unit of memory handed to a size class" in flat
     assert '- `capacity` (size, default `"1GiB"`): more than 0; a whole number of slabs' in flat
     assert "- `io_threads` (integer, default `0`): at most 1024" in flat
-    assert '- `eviction` (one of `"slru"`, `"lru"`, default `"lru"`): *restart*.' in flat
+    assert '- `eviction` (one of `"auto"`, `"slru"`, `"lru"`, default `"lru"`): *restart*.' in flat

@@ -4,17 +4,25 @@ Every operation costs O(1) per key. Only pages that are ready, unleased, unpinne
 nothing to back up to) sit in the per-class eviction lists, so eviction never scans past pages it cannot
 take.
 
-Eviction is LRU (the default), or segmented LRU (`pool.eviction = "slru"`) for traffic where most pages
-are stored once and never asked for again while the pages that were asked for once are asked for again
-more often than not (shared prompts and documents asked again and again): a page enters
-a *probation* list and moves to the *protected* one when it is used again (looked up, loaded, stored
-again); protected pages are at most PROTECTED_FRACTION of a class's listed pages (the least recent go
-back to probation), and eviction takes probation's least recent first. A page evicted from probation
-leaves a trace in a *ghost* (two generations of a Bloom filter, 16 bytes a page of the index): stored
-again while its trace lasts, it enters protected directly (used again, later than probation's reach).
-Measured through a daemon (bench/bench_trace.py, docs/sizing.md): on Mooncake's synthetic trace slru
-holds 1.04-1.07x LRU's L2 hits at 2,000-20,000 pages (1.07x at 5,859: 0.331 against 0.309; Belady 0.550);
-on multi-turn conversations (bench/make_trace.py) up to 11% fewer, which is why LRU stays the default.
+Eviction is LRU (the default), segmented LRU (`pool.eviction = "slru"`), or "auto", which follows one of
+the two. slru suits traffic where most pages are stored once and never asked for again while the pages
+that were asked for once are asked for again more often than not (shared prompts and documents asked again
+and again): a page enters a *probation* list and moves to the *protected* one when it is used again (looked
+up, loaded, stored again); protected pages are at most PROTECTED_FRACTION of a class's listed pages (the
+least recent go back to probation), and eviction takes probation's least recent first. A page evicted from
+probation leaves a trace in a *ghost* (two generations of a Bloom filter, 16 bytes a page of the index):
+stored again while its trace lasts, it enters protected directly (used again, later than probation's reach).
+Measured through a daemon (bench/bench_trace.py, docs/sizing.md): on Mooncake's synthetic trace slru holds
+1.04-1.07x LRU's L2 hits at 2,000-20,000 pages (1.07x at 5,859: 0.331 against 0.309; Belady 0.550); on
+multi-turn conversations (bench/make_trace.py) up to 11% fewer, where a page is read once, soon, by the next
+turn and LRU is near the optimum.
+
+"auto" keeps slru's lists, flags and ghost, and each listed page's stamp (when it was filed last). A referee
+(Duel) plays one key in SHADOW_SAMPLE through two small caches of its own, an LRU and an slru, with the same
+uses; while the slru one leads by more than SHADOW_ENTER hits the index evicts as slru does, and once the
+lead is gone it evicts exactly as LRU would: the older of the two lists' heads (protected is not bounded
+then, and goes back to its share a few pages a filing when slru is followed again). The referee is not kept
+over a restart (the lists and flags are): it starts again following LRU.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ SUPERSEDED = "superseded"  # a fill whose key a store took: under no key, slot f
 QUARANTINED = "quarantined"  # removed, slot not yet reusable
 
 _STEAL_CANDIDATES = 16  # LRU pages of a victim class whose slabs are tried before giving up
-EVICTION = ("slru", "lru")
+EVICTION = ("auto", "slru", "lru")
 PROTECTED_FRACTION = 0.8  # slru: protected pages' share of a class's listed pages at most
 GHOST_GENERATION = 2  # slru: a ghost generation takes this many times the pages in the index
 # Bloom filter bits a ghost entry, two set a key: ~0.4% false positives a generation. At 8 bits (~5%, ~10%
@@ -45,6 +53,18 @@ GHOST_GENERATION = 2  # slru: a ghost generation takes this many times the pages
 # 0.144 at 2,000 pages of the Mooncake trace, 0.152 at 32.
 GHOST_BITS = 32
 _PROBATION, _PROTECTED = 1, 2  # Entry.in_lru: which list an evictable entry is in (0: none)
+# auto: one key in SHADOW_SAMPLE (by its ghost hash) is also played through two small caches of its own, an
+# LRU and an slru, each SHADOW_SAMPLE times smaller than the index. The lead of the slru one (its hits less
+# the LRU one's, on the sampled keys, bounded by +-SHADOW_SWING) decides what the index evicts: slru's
+# choice once the lead passes SHADOW_ENTER, LRU's (exactly) again once it falls to 0. Chosen from replays
+# of the index alone on Mooncake's trace and five of bench/make_trace.py's shapes: a lead of 16 or 32 let
+# slru's losses through on multi-turn traffic (to 0.96x LRU), 128 gave up slru's gains at small pools;
+# sampling 1 in 4 held no more hits than 1 in 8 and cost twice the time and memory (~50 bytes a page).
+SHADOW_SAMPLE = 8
+SHADOW_SWING = 512
+SHADOW_ENTER = 64
+_SHADOW_MIN = 16  # pages a shadow holds at least
+_DEMOTE_STEP = 32  # auto: protected pages past their share sent back to probation a filing, at most
 # Python's cyclic garbage collector scans every object it tracks in a full collection, and every entry is
 # one: filling a pool of 512K pages (4 KiB) ran five full collections, the longest stalling the event loop
 # for 215 ms. So the index freezes what is alive each time it has grown by a quarter (gc.freeze: never
@@ -167,6 +187,9 @@ class Ghost:
             self._new_generation(pages)
 
     def __contains__(self, h: int) -> bool:
+        return self.holds(h)
+
+    def holds(self, h: int) -> bool:
         if _bloom is not None:
             return _bloom(self._cur, h, False) or (self._old is not None and _bloom(self._old, h, False))
         m, b = self._cur_mask, self._cur
@@ -185,9 +208,73 @@ class Ghost:
         return len(self._cur) + (len(self._old) if self._old is not None else 0)
 
 
+class Duel:
+    """auto's referee: an LRU and an slru cache of the sampled keys' hashes (SHADOW_SAMPLE), played with the
+    same uses as the index; `slru` says which of the two the index follows now."""
+
+    __slots__ = ("lru", "prob", "prot", "ghost", "lead", "slru", "switches")
+
+    def __init__(self) -> None:
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.prob: OrderedDict[int, None] = OrderedDict()
+        self.prot: OrderedDict[int, None] = OrderedDict()
+        self.ghost = Ghost()  # the slru shadow's, as the index's own
+        self.lead = 0
+        self.slru = False
+        self.switches = 0
+
+    def use(self, h: int, pages: int) -> None:
+        """A sampled page (hash `h`) is stored or used again; `pages`: the pages in the index now."""
+        cap = pages // SHADOW_SAMPLE
+        if cap < _SHADOW_MIN:
+            cap = _SHADOW_MIN
+        lru = self.lru
+        hit_lru = h in lru
+        if hit_lru:
+            lru.move_to_end(h)
+        else:
+            lru[h] = None
+            while len(lru) > cap:
+                lru.popitem(last=False)
+        prob, prot = self.prob, self.prot
+        if h in prot:
+            prot.move_to_end(h)
+            hit_slru = True
+        elif h in prob:
+            del prob[h]
+            prot[h] = None
+            hit_slru = True
+        else:
+            hit_slru = False
+            if self.ghost.holds(h):
+                prot[h] = None
+            else:
+                prob[h] = None
+        if len(prot) > PROTECTED_FRACTION * cap:
+            prob[prot.popitem(last=False)[0]] = None
+        while len(prob) + len(prot) > cap:
+            if prob:
+                self.ghost.add(prob.popitem(last=False)[0], cap)
+            else:
+                prot.popitem(last=False)
+        if hit_lru is not hit_slru:
+            lead = self.lead + (1 if hit_slru else -1)
+            if -SHADOW_SWING <= lead <= SHADOW_SWING:
+                self.lead = lead
+                if lead > SHADOW_ENTER and not self.slru or lead <= 0 and self.slru:
+                    self.slru = not self.slru
+                    self.switches += 1
+
+    @property
+    def nbytes(self) -> int:
+        """Roughly: the lists' entries (~100 bytes each: an int of 32 and an ordered dict's entry) and the
+        ghost's bits."""
+        return 100 * (len(self.lru) + len(self.prob) + len(self.prot)) + self.ghost.nbytes
+
+
 class PageRecords(Protocol):
     """What is told of each page's transitions so that L2 can be rebuilt after a crash (the slot headers,
-    hicached.daemon.l2.headers.Headers): the scheduler calls these, and never needs to know more of them."""
+    hicached.daemon.persist.headers.Headers): the scheduler calls these, and never needs to know more."""
 
     def commit(self, e: Entry) -> None: ...
 
@@ -234,8 +321,11 @@ class PageIndex:
         if eviction not in EVICTION:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION)}, got {eviction!r}")
         self.eviction = eviction
-        self._slru = eviction == "slru"
+        # slru's lists, hot flags and ghost are kept under "auto" too: ready for the moment it follows slru.
+        self._slru = eviction in ("slru", "auto")
         self.ghost: Ghost | None = Ghost() if self._slru else None
+        self.duel: Duel | None = Duel() if eviction == "auto" else None
+        self._clock = 0  # auto: the stamp of the last page filed (the lists' values: when each was last used)
         self.allocs = allocator if isinstance(allocator, list) else [allocator]
         if [a.arena for a in self.allocs] != list(range(len(self.allocs))):
             raise ValueError("allocators must be given in arena order")
@@ -249,9 +339,10 @@ class PageIndex:
         self._freeze_at = _FREEZE_FROM  # entries at which _freeze runs next
         self.entries = EntriesView(self)
         # The LRU lists and the dirty list are keyed by the entries themselves (hashed by identity: cheaper
-        # than a (namespace, key) tuple built for each change).
-        self._lru: dict[SizeClass, OrderedDict[Entry, Entry]] = {}  # lru: all; slru: probation
-        self._hot: dict[SizeClass, OrderedDict[Entry, Entry]] = {}  # slru: protected
+        # than a (namespace, key) tuple built for each change). The lists' values: None, or under "auto"
+        # each page's stamp (when it was filed last), so that following LRU takes the older of two heads.
+        self._lru: dict[SizeClass, OrderedDict[Entry, int | None]] = {}  # lru: all; slru, auto: probation
+        self._hot: dict[SizeClass, OrderedDict[Entry, int | None]] = {}  # slru, auto: protected
         self._by_offset: dict[int, Entry] = {}
         self._classes: dict[int, SizeClass] = {}  # page bytes -> its size class, looked up per page
         # Dirty, ready pages in the order they became dirty: what write-back writes out first.
@@ -298,10 +389,15 @@ class PageIndex:
         if d is None:
             d = self._by_ns[entry.ns] = {}
         d[entry.key] = entry
-        if self.ghost is not None and ghost_hash(entry.ns, entry.key) in self.ghost:
-            entry.hot = True  # evicted from probation a while ago, and wanted again
-            self.counters["ghost_hits"] += 1
         self._count += 1
+        ghost = self.ghost
+        if ghost is not None:
+            h = hash(entry.key) ^ hash(entry.ns)  # ghost_hash, inlined: this runs for every page stored
+            if ghost.holds(h):
+                entry.hot = True  # evicted from probation a while ago, and wanted again
+                self.counters["ghost_hits"] += 1
+            if self.duel is not None and not (h >> 60) & (SHADOW_SAMPLE - 1):
+                self.duel.use(h, self._count)
         if self._count >= self._freeze_at:
             self._freeze()
 
@@ -562,16 +658,21 @@ class PageIndex:
         lst = lists.get(entry.cls)
         if lst is None:
             lst = lists[entry.cls] = OrderedDict()
+        stamp = None
+        if self.duel is not None:
+            self._clock = stamp = self._clock + 1
         if entry.in_lru == where:
             lst.move_to_end(entry)
+            if stamp is not None:
+                lst[entry] = stamp
             return
         if entry.in_lru:
             self._unlist(entry)
-        lst[entry] = entry
+        lst[entry] = stamp
         entry.in_lru = where
         self.evictable_bytes += entry.cls.slot_bytes
         self.arena_evictable[entry.cls.arena] += entry.cls.slot_bytes
-        if where == _PROTECTED:
+        if where == _PROTECTED and (self.duel is None or self.duel.slru):
             self._demote(entry.cls)
 
     def _demote(self, cls: SizeClass) -> None:
@@ -581,11 +682,15 @@ class PageIndex:
         if prob is None:
             prob = self._lru[cls] = OrderedDict()
         limit = PROTECTED_FRACTION * (len(hot) + len(prob))
-        while len(hot) > limit:
-            _, e = hot.popitem(last=False)
+        # auto: protected grew past its share while LRU was followed; it goes back a few pages a filing
+        # (no pause of the event loop for the whole excess at the moment slru is followed again).
+        budget = _DEMOTE_STEP if self.duel is not None else -1
+        while len(hot) > limit and budget:
+            budget -= 1
+            e, stamp = hot.popitem(last=False)
             e.hot = False
             e.in_lru = _PROBATION
-            prob[e] = e
+            prob[e] = stamp  # auto: keeps when it was used (probation's order by stamp is then approximate)
             self.counters["demotions"] += 1
 
     def _unlist(self, entry: Entry) -> None:
@@ -597,18 +702,30 @@ class PageIndex:
 
     def lru_lists(self) -> list[list[Entry]]:
         """The evictable pages of each size class in the order eviction takes them (probation's least recent
-        first, then protected's)."""
+        first, then protected's; "auto" following LRU: by when each was used last)."""
         out = []
-        for cls, lst in self._lru.items():
-            hot = self._hot.get(cls)
-            out.append(list(lst.values()) + (list(hot.values()) if hot else []))
-        out += [list(hot.values()) for cls, hot in self._hot.items() if cls not in self._lru and hot]
+        for cls in list(self._lru) + [c for c in self._hot if c not in self._lru]:
+            prob, hot = self._lru.get(cls) or {}, self._hot.get(cls) or {}
+            if not prob and not hot:
+                continue
+            if self.duel is not None and not self.duel.slru:
+                out.append(sorted(itertools.chain(prob, hot), key=lambda e: prob.get(e) or hot.get(e) or 0))
+            else:
+                out.append(list(prob) + list(hot))
         return out
+
+    def _used(self, entry: Entry) -> None:
+        """auto: a page used again, told to the referee when its key is one of the sampled."""
+        h = hash(entry.key) ^ hash(entry.ns)  # ghost_hash, inlined
+        if not (h >> 60) & (SHADOW_SAMPLE - 1):
+            self.duel.use(h, self._count)  # type: ignore[union-attr]
 
     def touch(self, entry: Entry) -> None:
         """The page was used again (stored again, warmed): to the most recent end (slru: protected)."""
         if self._slru:
             entry.hot = True
+            if self.duel is not None:
+                self._used(entry)
         if entry.in_lru:
             self._file(entry)
 
@@ -617,6 +734,7 @@ class PageIndex:
         A page out of the LRU (leased, pinned, dirty) counts too; it is filed at that end when it returns."""
         get = self._by_ns.get(ns, _NO_ENTRIES).get
         slru = self._slru
+        used = self._used if self.duel is not None else None
         n = 0
         for key in keys:
             entry = get(key)
@@ -624,6 +742,8 @@ class PageIndex:
                 continue
             if slru:
                 entry.hot = True
+            if used is not None:
+                used(entry)
             if entry.in_lru:
                 self._file(entry)
             n += 1
@@ -633,6 +753,8 @@ class PageIndex:
         entry.leases += 1
         if self._slru:
             entry.hot = True  # loaded (or read from L3 for a load): used again
+            if self.duel is not None and entry.state == READY:  # a fill's use was its insert
+                self._used(entry)
         if entry.leases == 1 and entry.in_lru:
             self._unlist(entry)  # a leased page is not evictable; nothing else changes
 
@@ -645,10 +767,16 @@ class PageIndex:
         """lease of each entry, in one loop."""
         unlist = self._unlist
         slru = self._slru
+        duel = self.duel
+        mask = SHADOW_SAMPLE - 1
         for entry in entries:
             entry.leases += 1
             if slru:
                 entry.hot = True
+                if duel is not None and entry.state == READY:  # _used, inlined
+                    h = hash(entry.key) ^ hash(entry.ns)
+                    if not (h >> 60) & mask:
+                        duel.use(h, self._count)
             if entry.leases == 1 and entry.in_lru:
                 unlist(entry)
 
@@ -684,15 +812,27 @@ class PageIndex:
             return []
         n = min(n, listed)
         by_ns, by_offset, ghost = self._by_ns, self._by_offset, self.ghost
+        # auto following LRU: the older of the two heads (each list is in order of its stamps): probation's
+        # is taken unless protected's, `oldest`, is older; then it goes back in front.
+        by_stamp = self.duel is not None and not self.duel.slru
+        oldest = next(iter(hot.values())) if by_stamp and hot else None
+        ghost_add = ghost.add if ghost is not None else None
+        count = self._count
         victims = []
         out = []
         for _ in range(n):
+            victim = None
             if lru:
-                _, victim = lru.popitem(last=False)
-                if ghost is not None:
-                    ghost.add(ghost_hash(victim.ns, victim.key), self._count)
-            else:
-                _, victim = hot.popitem(last=False)  # type: ignore[union-attr]
+                victim, stamp = lru.popitem(last=False)
+                if oldest is not None and stamp > oldest:  # type: ignore[operator]
+                    lru[victim] = stamp
+                    lru.move_to_end(victim, last=False)
+                    victim = None
+                elif ghost_add is not None:
+                    ghost_add(hash(victim.key) ^ hash(victim.ns), count)  # ghost_hash, inlined
+            if victim is None:
+                victim, _ = hot.popitem(last=False)  # type: ignore[union-attr]
+                oldest = next(iter(hot.values())) if by_stamp and hot else None
             victim.in_lru = 0
             del by_ns[victim.ns][victim.key]  # evictable means clean: never in self.dirty
             del by_offset[victim.offset]
@@ -716,9 +856,9 @@ class PageIndex:
         for victim in victims:
             lru, hot = self._lru.get(victim), self._hot.get(victim)
             tried: set[int] = set()
-            candidates = list(itertools.islice(lru.values(), _STEAL_CANDIDATES)) if lru else []
+            candidates = list(itertools.islice(lru, _STEAL_CANDIDATES)) if lru else []
             if hot:
-                candidates += itertools.islice(hot.values(), _STEAL_CANDIDATES)
+                candidates += itertools.islice(hot, _STEAL_CANDIDATES)
             for entry in candidates:
                 slab = alloc.slab_of(entry.offset)
                 if slab in tried:
@@ -791,6 +931,18 @@ class PageIndex:
             "used_bytes": self.used_bytes(),
             "capacity_bytes": self.capacity,
             **{k: v for k, v in self.counters.items()},
+            **(
+                {
+                    "eviction": {
+                        "follows": "slru" if self.duel.slru else "lru",
+                        "lead": self.duel.lead,
+                        "switches": self.duel.switches,
+                        "shadow_bytes": self.duel.nbytes,
+                    }
+                }
+                if self.duel is not None
+                else {}
+            ),
             "slabs": self.alloc.stats(),
             **({"arena_slabs": [a.stats() for a in self.allocs]} if len(self.allocs) > 1 else {}),
         }

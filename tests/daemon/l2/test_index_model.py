@@ -293,7 +293,7 @@ class Harness:
                     "reserve_max_fraction": 0.15,
                     "max_pinned_fraction": 0.2,
                     "writeback_low_watermark": 0.3,
-                    "eviction": "lru" if self.seed % 3 == 2 else "slru",  # both policies' invariants
+                    "eviction": ("slru", "auto", "lru")[self.seed % 3],  # every policy's invariants
                 },
                 "server": {"max_prefetch_handles_per_connection": 3},
                 "storage": storage,
