@@ -11,12 +11,11 @@ from __future__ import annotations
 import random
 import re
 import signal
-import threading
 import time
 
-import numpy as np
 import pytest
 import torch
+from mid_copy import board_count, stop_mid_copy
 
 from hicached.common import fence
 from hicached.common.errors import HicachedError
@@ -241,7 +240,6 @@ FENCE_PAGE = 1 << 20
 FENCE_N = 1024
 MARK = 0xAB
 NEW = 0xEE
-COUNT = fence.CANCELLED - 1
 needs_fences = pytest.mark.skipif(not fence.AVAILABLE, reason="hicached.common._pageio is not built")
 
 
@@ -257,11 +255,6 @@ def filled(values: torch.Tensor) -> torch.Tensor:
     t = values.to("cuda").repeat_interleave(FENCE_PAGE)
     torch.cuda.synchronize()
     return t
-
-
-def board_count(c: Client) -> int:
-    b = c._wire.ops.fences
-    return int((b._words & np.uint64(COUNT)).sum()) if b is not None else 0
 
 
 def assert_settled(t: torch.Tensor, seconds: float = 1.0) -> None:
@@ -338,27 +331,13 @@ def test_cuda_daemon_stopped_mid_copy_holds_the_call_until_it_continues_or_dies(
     d = daemon_factory(fence_config())
     c, hd, dst, keys = prepared(d, seed=5)
     held = False
-    out: list = []
-    t = None
     try:
         for _ in range(8):  # the stop may land outside the copy: then the call returns, and we try again
             dst.fill_(MARK)
             torch.cuda.synchronize()
-            out.clear()
-
-            def run() -> None:
-                try:
-                    out.append(c.load_pages(hd, list(range(FENCE_N)), keys))
-                except HicachedError as e:
-                    out.append(e)
-
-            c.timeout = 0.2
-            t = threading.Thread(target=run)
-            t.start()
-            deadline = time.monotonic() + 10
-            while board_count(c) == 0 and t.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.0001)
-            d.proc.send_signal(signal.SIGSTOP)
+            t, out = stop_mid_copy(
+                d.proc, c, lambda: c.load_pages(hd, list(range(FENCE_N)), keys), timeout=0.2
+            )
             time.sleep(1.5)  # the client's time-out has passed long ago
             if board_count(c):
                 held = True

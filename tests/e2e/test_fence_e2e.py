@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from mid_copy import COUNT, board_count, stop_mid_copy
 
 from hicached.common import fence
 from hicached.common.errors import HicachedError
@@ -31,7 +32,6 @@ N = 384  # 384 MiB a request: tens of milliseconds of copying, against a client 
 MARK = 0xAB
 NEW = 0xEE
 SAMPLE = 64 << 10  # a byte every 64 KiB: a snapshot taken in microseconds, right as the call returns
-COUNT = fence.CANCELLED - 1
 
 
 def config(copy_threads: int = 2) -> dict:
@@ -59,11 +59,6 @@ def wait_settled(arr: np.ndarray, seconds: float = 1.0) -> None:
     time.sleep(seconds)
     assert np.array_equal(arr[::SAMPLE], first), "the region changed after the call returned (a late copy)"
     assert np.array_equal(arr, whole), "the region changed after the call returned (a late copy)"
-
-
-def board_count(c: Client) -> int:
-    b = c._wire.ops.fences
-    return int((b._words & np.uint64(COUNT)).sum()) if b is not None else 0
 
 
 def stored(c: Client, keys: list[str]) -> dict[int, bytes]:
@@ -163,26 +158,6 @@ def test_cancelled_job_queued_behind_another_copies_nothing(daemon_factory, capl
     assert "copy jobs skipped" in d.log()
 
 
-def _stop_mid_copy(d, c: Client, hd: int, keys: list[str], timeout: float) -> tuple[threading.Thread, list]:
-    """Starts a load of N pages in a thread and SIGSTOPs the daemon once a copy job is inside the rows."""
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append(c.load_pages(hd, list(range(N)), keys))
-        except HicachedError as e:
-            out.append(e)
-
-    c.timeout = timeout
-    t = threading.Thread(target=run)
-    t.start()
-    deadline = time.monotonic() + 10
-    while board_count(c) == 0 and t.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.0001)
-    d.proc.send_signal(signal.SIGSTOP)
-    return t, out
-
-
 @pytest.mark.parametrize("end", ["SIGCONT", "SIGKILL"])
 def test_daemon_stopped_mid_copy_holds_the_call_until_it_continues_or_dies(daemon_factory, caplog, end):
     d = daemon_factory(config(copy_threads=1))  # one job a request: the stop lands inside it, or after
@@ -192,7 +167,7 @@ def test_daemon_stopped_mid_copy_holds_the_call_until_it_continues_or_dies(daemo
     try:
         for _ in range(5):  # the stop may land after the copy ended: then the call returns, and we try again
             rows[:] = MARK
-            t, out = _stop_mid_copy(d, c, hd, keys, timeout=0.2)
+            t, out = stop_mid_copy(d.proc, c, lambda: c.load_pages(hd, list(range(N)), keys), timeout=0.2)
             time.sleep(1.5)  # the client's time-out has passed long ago
             inside = board_count(c)
             if inside:
