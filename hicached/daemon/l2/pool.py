@@ -234,11 +234,6 @@ class Pool:
         raise KeyError(name)
 
     @property
-    def tenanted(self) -> bool:
-        """Whether tenants have pools of their own (the arenas); else one pool serves every engine."""
-        return not (len(self.arenas) == 1 and self.arenas[0].name == DEFAULT_ARENA)
-
-    @property
     def inode(self) -> int:
         """The memfd's inode number: what ties an index snapshot to the very memory it describes."""
         return os.fstat(self.fd).st_ino

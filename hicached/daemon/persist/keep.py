@@ -55,7 +55,7 @@ def arena_fdname(name: str, arena: str, narenas: int) -> str:
 
 
 def is_kept_fdname(name: str) -> bool:
-    """Whether an fd store name is one of L2's (untenanted or a tenant's): never a socket to listen on."""
+    """Whether an fd store name is one of L2's (an arena's): never a socket to listen on."""
     return name in FDNAMES or any(name.startswith(n + ".") for n in FDNAMES)
 
 

@@ -1,5 +1,6 @@
-"""Keeping L2 over restarts and crashes: the pools (and their index snapshots or slot headers) taken back
-from systemd's fd store or a takeover at start, verified and served again, and handed to the fd store."""
+"""Keeping L2 over restarts and crashes: each arena's pool (the default tenant's alone without [tenants], or
+each tenant's) with its index snapshot or slot headers, taken back from systemd's fd store or a takeover at
+start, verified and served again, and handed to the fd store."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from typing import Any
 
 from hicached.config import Config
-from hicached.daemon.l2.pool import Pool, arena_sizes, check_kept_fd
+from hicached.daemon.l2.pool import DEFAULT_ARENA, Pool, arena_sizes, check_kept_fd
 from hicached.daemon.persist import headers as slot_headers
 from hicached.daemon.persist import keep
 from hicached.daemon.service.notify import fd_store_max, passed_fds, take_passed
@@ -19,82 +20,58 @@ log = logging.getLogger("hicached.daemon")
 # `daemon` below is a hicached.daemon.service.lifecycle.Daemon (not imported: the lifecycle imports this
 # module).
 
-
-def take(daemon: Any) -> tuple[Pool, keep.Snapshot | None, slot_headers.Headers | None] | None:
-    """The previous daemon's pool, with its index snapshot or its slot headers, passed back by systemd's
-    fd store, when they describe a pool of this configuration; None otherwise (one log line says why)."""
-    pool_fds, index_fds = take_passed(keep.POOL_FDNAME), take_passed(keep.INDEX_FDNAME)
-    meta_fds = take_passed(keep.META_FDNAME)
-    if daemon.cfg.tenants:
-        for fd in pool_fds + index_fds + meta_fds:
-            os.close(fd)
-        if pool_fds or index_fds or meta_fds:
-            for name in keep.FDNAMES:
-                daemon.notifier.remove_stored_fd(name)
-            log.warning(
-                "the L2 pool kept over the restart is not used: it was one pool for every engine, and "
-                "[tenants] give each tenant a pool of its own; starting with fresh pools"
-            )
-        return _take_tenants(daemon)
-    _drop_tenants(daemon)
-    if not pool_fds and not index_fds and not meta_fds:
-        return None
-    # Whatever comes of it, the snapshot goes: a later start (after a crash) must not be handed one that
-    # no longer describes the pool. The pool and its slot headers stay stored while they are this
-    # daemon's (a crash keeps them), and go if they are not used: systemd would keep their memory.
-    daemon.notifier.remove_stored_fd(keep.INDEX_FDNAME)
-    try:
-        return adopt(daemon.cfg, pool_fds, index_fds, meta_fds)
-    except (ValueError, OSError, MemoryError) as e:
-        daemon.notifier.remove_stored_fd(keep.POOL_FDNAME)
-        daemon.notifier.remove_stored_fd(keep.META_FDNAME)
-        log.warning(
-            "the L2 pool kept over the restart is not used: %s; starting with a fresh pool (the warm "
-            "list refills it from L3)",
-            e,
-        )
-        return None
+# What an arena kept over a restart hands to the start: its pool, index snapshot and slot header fds.
+Passed = tuple[list[int], list[int], list[int]]
 
 
-def arena_layout(cfg: Config) -> list[tuple[str, int]] | None:
-    """The pool's arenas (name, bytes) this configuration makes; None without [tenants]."""
+def arena_layout(cfg: Config) -> list[tuple[str, int]]:
+    """The pool's arenas (name, bytes) this configuration makes: the default tenant's alone, the whole pool,
+    without [tenants]."""
     tenants = {name: t.capacity for name, t in cfg.tenants.items()}
-    return arena_sizes(tenants, cfg.pool.capacity, cfg.pool.slab_size)
+    return arena_sizes(tenants, cfg.pool.capacity, cfg.pool.slab_size) or [(DEFAULT_ARENA, cfg.pool.capacity)]
 
 
-def _take_tenants(daemon: Any) -> tuple[Pool, None, None] | None:
-    """With [tenants]: each tenant's pool kept over the restart (systemd's fd store: POOL_FDNAME.TENANT)
-    with its index snapshot (INDEX_FDNAME.TENANT, a planned restart) or its slot headers
-    (META_FDNAME.TENANT, stored at start: a crash), taken back where they describe that tenant's pool of
-    this configuration; the others start empty. The pool of every tenant, kept or fresh (adopt_tenants);
-    None when nothing was kept."""
-    passed: dict[str, tuple[list[int], list[int], list[int]]] = {}
-    for name, _ in arena_layout(daemon.cfg) or []:
-        names = [keep.tenant_fdname(n, name) for n in keep.FDNAMES]  # pool, index, slot headers
+def _fdname(name: str, arena: str, narenas: int) -> str:
+    return keep.arena_fdname(name, arena, narenas)
+
+
+def _whose(arena: str, narenas: int) -> str:
+    """How the log names an arena's pool: the pool's alone, or a tenant's."""
+    return "the" if narenas == 1 and arena == DEFAULT_ARENA else f"tenant {arena}'s"
+
+
+def take(daemon: Any) -> Pool | None:
+    """The pool, when systemd's fd store passed back the pool of an arena of this configuration (its memfd,
+    with its index snapshot, a planned restart, or its slot headers, stored at start: a crash): those
+    arenas taken back where they describe that arena's pool of this configuration, the others fresh; what
+    restores each waits in the daemon's _kept (adopt). None when nothing was kept."""
+    layout = arena_layout(daemon.cfg)
+    passed: dict[str, Passed] = {}
+    for name, _ in layout:
+        names = [_fdname(n, name, len(layout)) for n in keep.FDNAMES]  # pool, index, slot headers
         fds = (take_passed(names[0]), take_passed(names[1]), take_passed(names[2]))
         if not any(fds):
             continue
         # Whatever comes of it, the snapshot goes: a later start (after a crash) must not be handed one
         # that no longer describes the pool. The pool and its slot headers stay stored while they are this
-        # daemon's (a crash keeps them); _forget_tenant lets go of those that are not used.
+        # daemon's (a crash keeps them); _forget lets go of those that are not used.
         if fds[1]:
             daemon.notifier.remove_stored_fd(names[1])
         passed[name] = fds
-    _drop_tenants(daemon)
-    return adopt_tenants(daemon, passed) if passed else None
+    _drop_others(daemon)
+    return adopt(daemon, passed) if passed else None
 
 
-def adopt_tenants(
-    daemon: Any, passed: dict[str, tuple[list[int], list[int], list[int]]], strict: bool = False
-) -> tuple[Pool, None, None] | None:
-    """The pool of every tenant, from the tenants' pools of a previous instance (`passed`: tenant ->
-    its pool, index snapshot and slot header fds, from systemd's fd store or a takeover) where they
-    describe that tenant's pool of this configuration, fresh for the others; what restores each waits in
-    the daemon's _kept_tenants. A tenant whose pool does not fit starts empty (one log line), or, `strict` (a
-    takeover), fails it all: ValueError, OSError or MemoryError. None when none was kept. Every fd
-    passed is closed or owned by the Pool or the Headers."""
+def adopt(daemon: Any, passed: dict[str, Passed], strict: bool = False) -> Pool | None:
+    """The pool, from the arenas' pools of a previous instance (`passed`: arena -> its pool, index snapshot
+    and slot header fds, from systemd's fd store or a takeover) where they describe that arena's pool of
+    this configuration, fresh for the others; what restores each waits in the daemon's _kept. An arena
+    whose pool does not fit starts empty (one log line), or, `strict` (a takeover), fails it all:
+    ValueError, OSError or MemoryError. None when none was kept. Every fd passed is closed or owned by the
+    Pool or the Headers."""
     cfg = daemon.cfg
-    arenas = arena_layout(cfg) or []
+    arenas = arena_layout(cfg)
+    n = len(arenas)
     sizes = dict(arenas)
     kept: dict[str, int] = {}
     snapshots: dict[str, keep.Snapshot | None] = {}
@@ -120,10 +97,13 @@ def adopt_tenants(
                 metas[name] = [meta_fds.pop()] if meta_fds else []
             except (ValueError, OSError) as e:
                 if strict:
-                    raise ValueError(f"tenant {name}'s L2 pool: {e}") from None
-                _forget_tenant(daemon, name)
+                    raise ValueError(f"{_whose(name, n)} L2 pool: {e}") from None
+                _forget(daemon, name, n)
                 log.warning(
-                    "tenant %s's L2 pool kept over the restart is not used: %s; it starts empty", name, e
+                    "%s L2 pool kept over the restart is not used: %s; it starts empty (the warm list "
+                    "refills it from L3)",
+                    _whose(name, n),
+                    e,
                 )
         if not kept:
             return None
@@ -134,10 +114,10 @@ def adopt_tenants(
             if strict:
                 raise
             for name in taken:
-                _forget_tenant(daemon, name)
-            log.warning("the tenants' L2 pools kept over the restart are not used: %s; starting empty", e)
+                _forget(daemon, name, n)
+            log.warning("the L2 pools kept over the restart are not used: %s; starting empty", e)
             return None
-        daemon._kept_tenants = {}
+        daemon._kept = {}
         for name, snapshot in snapshots.items():
             arena = pool.arena(name).index
             try:
@@ -145,13 +125,13 @@ def adopt_tenants(
                     metas.pop(name), pool, cfg.pool.slab_size, snapshot, arena
                 )
             except (ValueError, OSError) as e:  # neither a snapshot nor usable slot headers
-                _forget_tenant(daemon, name, pool=False)
+                _forget(daemon, name, n, pool=False)
                 log.warning(
-                    "tenant %s's L2 pool kept over the restart is not used: %s; it starts empty", name, e
+                    "%s L2 pool kept over the restart is not used: %s; it starts empty", _whose(name, n), e
                 )
                 continue
-            daemon._kept_tenants[arena] = (snapshot, headers)
-        return pool, None, None
+            daemon._kept[arena] = (snapshot, headers)
+        return pool
     finally:
         for fd in [fd for fds in passed.values() for some in fds for fd in some]:
             os.close(fd)
@@ -159,104 +139,73 @@ def adopt_tenants(
             os.close(fd)
 
 
-def _forget_tenant(daemon: Any, name: str, pool: bool = True) -> None:
-    """A tenant's kept pool (or, `pool` False, only its slot headers) not used: out of systemd's fd
-    store (which would keep its memory, and hand it to the next start beside the fresh one)."""
-    daemon.notifier.remove_stored_fd(keep.tenant_fdname(keep.META_FDNAME, name))
+def _forget(daemon: Any, name: str, narenas: int, pool: bool = True) -> None:
+    """An arena's kept pool (or, `pool` False, only its slot headers) not used: out of systemd's fd store
+    (which would keep its memory, and hand it to the next start beside the fresh one)."""
+    daemon.notifier.remove_stored_fd(_fdname(keep.META_FDNAME, name, narenas))
     if pool:
-        daemon.notifier.remove_stored_fd(keep.tenant_fdname(keep.POOL_FDNAME, name))
+        daemon.notifier.remove_stored_fd(_fdname(keep.POOL_FDNAME, name, narenas))
 
 
-def _drop_tenants(daemon: Any) -> None:
-    """Tenants' pools kept for a configuration that no longer has them: let go (systemd keeps their
-    memory while they are stored)."""
-    for name in [n for n in passed_fds() if keep.is_kept_fdname(n) and n not in keep.FDNAMES]:
+def _drop_others(daemon: Any) -> None:
+    """Pools kept for arenas this configuration does not have (tenants added or removed: the pool of every
+    engine kept for a configuration that now has [tenants], or a tenant's for one that no longer has it):
+    let go (systemd keeps their memory while they are stored)."""
+    for name in [n for n in passed_fds() if keep.is_kept_fdname(n)]:
         for fd in take_passed(name):
             os.close(fd)
         daemon.notifier.remove_stored_fd(name)
-        log.info("dropped %s kept over the restart: no such tenant's pool now", name)
+        log.warning("dropped %s kept over the restart: no arena of this pool is kept under that name", name)
 
 
-def tenants_headers(daemon: Any) -> None:
-    """With [tenants]: each arena's slot headers (kept, or made here under a service manager whose fd
-    store holds 3 fds an arena) in daemon.headers, for the tiers to be handed (headers.observers),
-    and stored with the arena's pool. Before the tiers are built."""
-    kept = {i: h for i, (_, h) in daemon._kept_tenants.items() if h is not None}
+def arena_headers(daemon: Any) -> None:
+    """Each arena's slot headers (kept, or made here under a service manager whose fd store holds 3 fds an
+    arena) in daemon.headers, for the tiers to be handed (headers.observers), and stored with the arena's
+    pool. Before the tiers are built."""
+    kept = {i: h for i, (_, h) in daemon._kept.items() if h is not None}
     arenas = daemon.pool.arenas
     room = daemon.notifier.enabled and _fd_store_has_room(3 * len(arenas), "over a crash")
     if room:
+        # Only under a service manager: without one to keep them over a crash nothing reads them.
         for a in arenas:
             if a.index not in kept:
                 kept[a.index] = slot_headers.Headers.create(daemon.pool, daemon.cfg.pool.slab_size, a.index)
     daemon.headers = [kept[i] for i in sorted(kept)]
-    if not daemon.headers:
-        return
     for h in daemon.headers:
         h.mark_adopted()
     if not room:
         return
-    stored = 0
+    stored = []
     for h in daemon.headers:
         name = arenas[h.arena].name
-        meta_name = keep.tenant_fdname(keep.META_FDNAME, name)
+        meta_name = _fdname(keep.META_FDNAME, name, len(arenas))
         if h.fresh:
             daemon.notifier.remove_stored_fd(meta_name)  # another of a pool not used: never two
         # Stored again after a restart: systemd keeps one copy of an fd it already holds.
-        stored += daemon.notifier.store_fd(meta_name, h.fd) and daemon.notifier.store_fd(
-            keep.tenant_fdname(keep.POOL_FDNAME, name), arenas[h.arena].fd
-        )
+        if daemon.notifier.store_fd(meta_name, h.fd) and daemon.notifier.store_fd(
+            _fdname(keep.POOL_FDNAME, name, len(arenas)), arenas[h.arena].fd
+        ):
+            stored.append(name)
     if stored:
         log.info(
-            "%d tenants' L2 pools and their slot headers handed to the service manager's fd store: kept "
-            "over a crash",
-            stored,
+            "L2 (%s) and its slot headers handed to the service manager's fd store: kept over a crash",
+            ", ".join(f"{_whose(name, len(arenas))} pool" for name in stored),
         )
 
 
-async def restore(daemon: Any, snapshot: keep.Snapshot | None, headers: slot_headers.Headers | None) -> None:
-    """The pool kept over a restart (without [tenants]) served again, verified by keep.restore: from its
-    index snapshot, or (none came with it: a crash) from its slot headers, scanned first. Before the
-    backend attaches (which queues the kept pages not in L3 yet) and before the socket listens (a page is
-    served only once verified)."""
-    scanned = None
-    if headers is not None and snapshot is None:
-        # No index snapshot (a crash): the index is rebuilt from the slot headers.
-        scanned = await asyncio.get_running_loop().run_in_executor(None, headers.scan)
-        snapshot = scanned.snapshot
-    if snapshot is None:
-        return
-    r = daemon.restored = await keep.restore(daemon.tiers, daemon.pool, snapshot)
-    if headers is not None:
-        headers.restored(snapshot, r.entries)
-    if scanned is not None:
-        r.dropped += scanned.dropped
-        daemon.tiers.counters["keep.dropped"] += scanned.dropped
-        log.info(
-            "no index snapshot came with the kept pool (a crash): its index was rebuilt from %d slot "
-            "headers in %.2fs; %d of them did not check and were dropped",
-            scanned.records,
-            scanned.seconds,
-            scanned.dropped,
-        )
-    log.info(
-        "L2 kept over the restart: %d pages served again after %.2fs of verifying; %d did not verify "
-        "and were dropped (keep.dropped); %d are owed to L3 and queued for it",
-        r.pages,
-        r.seconds,
-        r.dropped,
-        r.owed,
-    )
-
-
-async def restore_tenants(daemon: Any) -> None:
-    """The tenants' kept pools (adopt_tenants) served again, each verified as keep.restore does: from its
-    index snapshot, or from its slot headers (scanned first: a crash)."""
-    kept, daemon._kept_tenants = daemon._kept_tenants, {}
+async def restore(daemon: Any) -> None:
+    """The arenas' kept pools (adopt) served again, each verified by keep.restore: from its index snapshot,
+    or (none came with it: a crash) from its slot headers, scanned first. Before the backend attaches
+    (which queues the kept pages not in L3 yet) and before the socket listens (a page is served only once
+    verified)."""
+    kept, daemon._kept = daemon._kept, {}
     loop = asyncio.get_running_loop()
+    n = len(daemon.pool.arenas)
     for arena, (snap, headers) in sorted(kept.items()):
-        name = daemon.pool.arenas[arena].name
+        whose = _whose(daemon.pool.arenas[arena].name, n)
         scanned = None
         if snap is None:
+            # No index snapshot (a crash): the index is rebuilt from the slot headers.
             scanned = await loop.run_in_executor(None, headers.scan)
             snap = scanned.snapshot
         r = await keep.restore(daemon.tiers, daemon.pool, snap, arena=arena)
@@ -266,25 +215,26 @@ async def restore_tenants(daemon: Any) -> None:
             r.dropped += scanned.dropped
             daemon.tiers.counters["keep.dropped"] += scanned.dropped
             log.info(
-                "no index snapshot came with tenant %s's kept pool (a crash): its index was rebuilt from "
-                "%d slot headers in %.2fs; %d of them did not check and were dropped",
-                name,
+                "no index snapshot came with %s kept pool (a crash): its index was rebuilt from %d slot "
+                "headers in %.2fs; %d of them did not check and were dropped",
+                whose,
                 scanned.records,
                 scanned.seconds,
                 scanned.dropped,
             )
         total = daemon.restored
         if total is None:
-            total = daemon.restored = keep.Restored(l3=r.l3)
-        total.pages += r.pages
-        total.dropped += r.dropped
-        total.owed += r.owed
-        total.seconds += r.seconds
-        total.entries += r.entries
+            daemon.restored = r
+        else:
+            total.pages += r.pages
+            total.dropped += r.dropped
+            total.owed += r.owed
+            total.seconds += r.seconds
+            total.entries += r.entries
         log.info(
-            "tenant %s's L2 kept over the restart: %d pages served again after %.2fs of verifying; %d "
-            "did not verify and were dropped; %d are owed to L3 and queued for it",
-            name,
+            "%sL2 kept over the restart: %d pages served again after %.2fs of verifying; %d did not verify "
+            "and were dropped (keep.dropped); %d are owed to L3 and queued for it",
+            "" if whose == "the" else f"{whose} ",
             r.pages,
             r.seconds,
             r.dropped,
@@ -292,103 +242,30 @@ async def restore_tenants(daemon: Any) -> None:
         )
 
 
-def adopt(
-    cfg: Config, pool_fds: list[int], index_fds: list[int], meta_fds: list[int] | None = None
-) -> tuple[Pool, keep.Snapshot | None, slot_headers.Headers | None]:
-    """The pool of a previous instance (systemd's fd store, or a takeover) with its index snapshot, or
-    its slot headers to rebuild the index from (snapshot None), checked against this configuration and
-    the memfd itself; ValueError, OSError or MemoryError saying why otherwise. Every fd passed is closed
-    or owned by the Pool or Headers returned."""
-    p = cfg.pool
-    meta_fds = list(meta_fds or [])
-    try:
-        if len(pool_fds) != 1 or len(index_fds) > 1:
-            raise ValueError(
-                f"{len(pool_fds)} pool fds and {len(index_fds)} index fds were passed, not 1 each"
-            )
-        check_kept_fd(pool_fds[0], p.capacity)
-        snapshot = None
-        if index_fds:
-            snapshot = keep.decode(keep.read_fd(index_fds[0]))
-            keep.check(snapshot, p.capacity, p.slab_size, os.fstat(pool_fds[0]).st_ino)
-        elif not meta_fds:
-            raise ValueError("neither an index snapshot nor slot headers were kept with it")
-        pool = Pool(p.capacity, prefault=p.prefault, fd=pool_fds.pop())
-        try:
-            headers, snapshot = slot_headers.adopt(meta_fds, pool, p.slab_size, snapshot)
-        except BaseException:
-            pool.close()
-            raise
-        return pool, snapshot, headers
-    finally:
-        for fd in pool_fds + index_fds + meta_fds:
-            os.close(fd)
-
-
-def store_l2(daemon: Any) -> None:
-    """The pool and its slot headers go to systemd's fd store at start and stay there while the daemon
-    runs: after a crash the next start gets them back and rebuilds the index from the headers (with
-    [tenants]: tenants_headers, each tenant's on its own)."""
-    if not daemon.notifier.enabled:
-        return
-    if not _fd_store_has_room():
-        return
-    # Stored again after a restart: systemd keeps one copy of an fd it already holds.
-    if daemon.notifier.store_fd(keep.META_FDNAME, daemon.headers[0].fd) and daemon.notifier.store_fd(
-        keep.POOL_FDNAME, daemon.pool.fd
-    ):
-        log.info("L2 and its slot headers handed to the service manager's fd store: kept over a crash")
-
-
 def keep_l2(daemon: Any) -> None:
-    """Hands the pool memfd and a snapshot of its index to systemd's fd store, for the next start to
-    serve the same pages (a planned restart keeps L2). Only under systemd, after a full start-up."""
+    """Hands each arena's pool memfd and a snapshot of its index to systemd's fd store, for the next start
+    to serve the same pages (a planned restart keeps L2). Only under systemd, after a full start-up."""
     if not daemon.notifier.enabled or not daemon._started or daemon.pool is None or daemon.tiers is None:
         return
-    if daemon.tiers.tenanted:
-        _keep_tenants(daemon)
+    arenas = daemon.pool.arenas
+    if not _fd_store_has_room(2 * len(arenas)):
         return
-    if not _fd_store_has_room():
-        return
-    try:
-        snapshot, fd = l2_snapshot(daemon)
-    except OSError as e:
-        log.warning("could not write the snapshot of L2's index (%s): L2 not kept", e)
-        return
-    try:
-        # The index first: a pool stored without it is refused at the next start anyway.
-        if daemon.notifier.store_fd(keep.INDEX_FDNAME, fd) and daemon.notifier.store_fd(
-            keep.POOL_FDNAME, daemon.pool.fd
-        ):
-            log.info(
-                "L2 (%d pages) and its index handed to the service manager's fd store: kept for the next "
-                "start if the unit sets FileDescriptorStoreMax=",
-                len(snapshot.pages),
-            )
-    finally:
-        os.close(fd)
-
-
-def _keep_tenants(daemon: Any) -> None:
-    """keep_l2 with [tenants]: each tenant's pool and its index snapshot, stored on their own."""
-    if not _fd_store_has_room(2 * len(daemon.pool.arenas)):
-        return
-    conn = daemon.tiers.connector
-    l3 = repr(conn.location()) if conn is not None else None
-    for a in daemon.pool.arenas:
+    for a in arenas:
+        whose = _whose(a.name, len(arenas))
         try:
-            snapshot = keep.take(daemon.tiers, daemon.pool, l3, arena=a.index)
-            fd = keep.to_memfd(keep.encode(snapshot))
+            snapshot, fd = l2_snapshot(daemon, a.index)
         except OSError as e:
-            log.warning("could not write the snapshot of tenant %s's L2 (%s): not kept", a.name, e)
+            log.warning("could not write the snapshot of %s L2 pool (%s): not kept", whose, e)
             continue
         try:
-            if daemon.notifier.store_fd(keep.tenant_fdname(keep.INDEX_FDNAME, a.name), fd) and (
-                daemon.notifier.store_fd(keep.tenant_fdname(keep.POOL_FDNAME, a.name), a.fd)
+            # The index first: a pool stored without it is refused at the next start anyway.
+            if daemon.notifier.store_fd(_fdname(keep.INDEX_FDNAME, a.name, len(arenas)), fd) and (
+                daemon.notifier.store_fd(_fdname(keep.POOL_FDNAME, a.name, len(arenas)), a.fd)
             ):
                 log.info(
-                    "tenant %s's L2 (%d pages) and its index handed to the service manager's fd store",
-                    a.name,
+                    "%s L2 pool (%d pages) and its index handed to the service manager's fd store: kept for "
+                    "the next start if the unit sets FileDescriptorStoreMax=",
+                    whose,
                     len(snapshot.pages),
                 )
         finally:
@@ -396,8 +273,8 @@ def _keep_tenants(daemon: Any) -> None:
 
 
 def l2_snapshot(daemon: Any, arena: int = 0) -> tuple[keep.Snapshot, int]:
-    """A snapshot of L2's index (of one arena's pages, with [tenants]), and a sealed memfd holding it (the
-    caller's to close); once nothing changes L2 any more (tiers stopped)."""
+    """A snapshot of one arena's index (the whole pool's, without [tenants]), and a sealed memfd holding it
+    (the caller's to close); once nothing changes L2 any more (tiers stopped)."""
     conn = daemon.tiers.connector
     l3 = repr(conn.location()) if conn is not None else None
     snapshot = keep.take(daemon.tiers, daemon.pool, l3, arena=arena)

@@ -30,11 +30,9 @@ class WarmList:
         return config.resolve_path(cfg, cfg.warmup.state_file)
 
     def limit(self) -> warmup.Budget:
-        """warmup.max_fraction of the pool; with tenants, of each tenant's pool."""
+        """warmup.max_fraction of each arena (each tenant's pool; without tenants, the whole pool)."""
         d = self.daemon
         fraction = d.cfg.warmup.max_fraction
-        if not d.tiers.tenanted:
-            return warmup.Budget(int(fraction * d.pool.size))
         return warmup.Budget([int(fraction * a.size) for a in d.pool.arenas], d.tiers.arena_of)
 
     async def replay(self) -> None:

@@ -1,5 +1,6 @@
 """The tenants' arenas: which arena of the pool each namespace's pages live in, and pool offsets as the
-engines of a tenant see them (within the one arena they map)."""
+engines of a tenant see them (within the one arena they map). Without [tenants] the pool is one arena, the
+default tenant's, and every engine is of that tenant: the same code serves both."""
 
 from __future__ import annotations
 
@@ -23,18 +24,15 @@ class Arenas:
         self.pool, self.tenants = pool, tenants
         # namespace -> its arena (tenant), from the tenants' namespaces: forgotten at each reload (retenant)
         self._ns_arena: dict[str, int] = {}
-        self.tenanted = pool.tenanted
 
     def arena(self, tenant: str) -> tuple[int, int]:
-        """(memfd, bytes) of the pool memory that `tenant`'s engines are handed and map: the whole pool
-        where there are no tenants, else the tenant's arena. HicachedError(unauthorized) for a tenant
-        without a share of L2 (the default tenant, when the tenants take all of pool.capacity)."""
+        """(memfd, bytes) of the pool memory that `tenant`'s engines are handed and map: the tenant's arena
+        (the default tenant's is the whole pool where there are no tenants). HicachedError(unauthorized) for
+        a tenant without a share of L2 (the default tenant, when the tenants take all of pool.capacity)."""
         a = self._tenant_arena(tenant)
         return a.fd, a.size
 
     def _tenant_arena(self, tenant: str) -> Arena:
-        if not self.tenanted:
-            return self.pool.arenas[0]
         try:
             return self.pool.arena(tenant)
         except KeyError:
@@ -49,8 +47,6 @@ class Arenas:
         got = self._ns_arena.get(ns)
         if got is not None:
             return got
-        if not self.tenanted:
-            return 0
         name = DEFAULT_TENANT
         for tenant, t in self.tenants().items():
             if matches_any(t.namespaces, ns):
@@ -93,8 +89,8 @@ class Arenas:
         or nothing to back them up to); the others follow as they become idle (an engine is never handed
         another arena's offsets: engine_offsets refuses). Returns how many left."""
         self._ns_arena.clear()
-        if not self.tenanted:
-            return 0
+        if len(self.pool.arenas) == 1 and all(self.arena_of(ns) == 0 for ns in namespaces):
+            return 0  # one arena, every namespace in it: nothing to move (no page is looked at)
         n = 0
         for ns in list(namespaces):
             arena = self.arena_of(ns)
@@ -108,8 +104,6 @@ class Arenas:
         """Pool offsets as the session's engine sees them: within the arena it maps (its tenant's). -1 stays
         -1. HicachedError if one is outside that arena (a namespace that moved to another tenant at a
         reload, with pages still in its old arena): never another tenant's offset."""
-        if not self.tenanted:
-            return offsets
         a = self._tenant_arena(s.tenant)
         lo, hi = a.base, a.base + a.size
         if any(not lo <= o < hi for o in offsets if o >= 0):
@@ -118,12 +112,12 @@ class Arenas:
                 f"namespace {s.ns!r} has pages outside tenant {s.tenant!r}'s pool (its tenant changed at a "
                 "reload); they leave L2 once idle: retry later",
             )
-        return [o - lo if o >= 0 else o for o in offsets]
+        return offsets if not lo else [o - lo if o >= 0 else o for o in offsets]
 
     def pool_offsets(self, s: Session, offsets: list[Any]) -> list[Any]:
         """Offsets an engine sent (within its arena) as pool offsets; what is not an int is left as it is
         (the caller refuses it)."""
-        if not self.tenanted:
-            return offsets
         base = self._tenant_arena(s.tenant).base
+        if not base:
+            return offsets
         return [o + base if type(o) is int else o for o in offsets]

@@ -80,7 +80,6 @@ class Tiers:
         if connector is not None:
             self.backend.note_location(connector)
         self.arenas = Arenas(pool, lambda: self.cfg.tenants)
-        self.tenanted = self.arenas.tenanted
         # Every page's state and its moves (see life.py); the index files the pages.
         self.life = PageLife(
             [

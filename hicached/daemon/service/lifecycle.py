@@ -16,7 +16,7 @@ from hicached import config
 from hicached.common.errors import BACKEND_UNAVAILABLE, BAD_REQUEST, HicachedError
 from hicached.config import Config
 from hicached.connectors import BackendError, Connector, build
-from hicached.daemon.l2.pool import Pool, arena_sizes, available_memory, check_capacity
+from hicached.daemon.l2.pool import Pool, available_memory, check_capacity
 from hicached.daemon.persist import headers as slot_headers
 from hicached.daemon.persist import keep, takeover
 from hicached.daemon.persist import kept as kept_l2
@@ -59,8 +59,8 @@ class Daemon:
         self._reload_pending = False  # SIGHUP during start-up: reloaded once it is done
         self.warm = WarmList(self)  # replayed at start, snapshotted while serving, written at stop
         self.restored: keep.Restored | None = None  # L2 taken back from systemd's fd store at start
-        # [tenants]: arena -> what restores its kept pool: its index snapshot, or its slot headers to scan
-        self._kept_tenants: dict[int, tuple[keep.Snapshot | None, slot_headers.Headers | None]] = {}
+        # arena -> what restores its kept pool: its index snapshot, or its slot headers to scan
+        self._kept: dict[int, tuple[keep.Snapshot | None, slot_headers.Headers | None]] = {}
         # Each arena's slot headers (what a crash keeps): the pool's one arena's, or each tenant's
         self.headers: list[slot_headers.Headers] = []
         self.takeover: takeover.Endpoint | None = None  # where a new instance asks to take over from this one
@@ -77,18 +77,13 @@ class Daemon:
             # Another instance serving this socket hands it over, with L2 (before this one allocates a pool).
             path = config.resolve_path(cfg, cfg.server.socket)
             arenas = kept_l2.arena_layout(cfg)
-            pool_bytes = sum(n for _, n in arenas) if arenas else cfg.pool.capacity
-            handed = await takeover.request(path, pool_bytes, cfg.pool.slab_size, arenas)
+            handed = await takeover.request(path, sum(n for _, n in arenas), cfg.pool.slab_size, arenas)
         if handed is None:
             await self._start(kept, listen_sock)
             return
         try:
-            if cfg.tenants:
-                passed = {name: ([pool_fd], [index_fd], []) for name, pool_fd, index_fd in handed.arenas}
-                kept = kept_l2.adopt_tenants(self, passed, strict=True)
-            else:
-                (_, pool_fd, index_fd) = handed.arenas[0]
-                kept = kept_l2.adopt(cfg, [pool_fd], [index_fd])
+            passed = {name: ([pool_fd], [index_fd], []) for name, pool_fd, index_fd in handed.arenas}
+            kept = kept_l2.adopt(self, passed, strict=True)
             listen_sock = handed.listen
             log.info(
                 "taking over from pid %d: its socket, L2 (%d pages, %d owed to L3%s) and its index",
@@ -114,45 +109,28 @@ class Daemon:
             ) from e
 
     async def _start(
-        self,
-        kept: tuple[Pool, keep.Snapshot | None, slot_headers.Headers | None] | None,
-        listen_sock: socket.socket | None,
-        handed: takeover.Handed | None = None,
+        self, kept: Pool | None, listen_sock: socket.socket | None, handed: takeover.Handed | None = None
     ) -> None:
         cfg = self.cfg
-        snapshot = headers = None
         if kept is not None:
-            self.pool, snapshot, headers = kept
+            self.pool = kept
         else:
             await self._memory_for_pool()
-            tenants = {name: t.capacity for name, t in cfg.tenants.items()}
-            arenas = arena_sizes(tenants, cfg.pool.capacity, cfg.pool.slab_size)
+            arenas = kept_l2.arena_layout(cfg)
             try:
                 self.pool = Pool(cfg.pool.capacity, prefault=cfg.pool.prefault, arenas=arenas)
             except MemoryError as e:
                 raise RuntimeError(f"{e}; lower pool.capacity, or free memory") from None
         log.info("L2 pool of %d bytes ready (slabs of %d bytes)", self.pool.size, cfg.pool.slab_size)
-        if self.pool.tenanted:
-            kept_l2.tenants_headers(self)
-        else:
-            if headers is None and self.notifier.enabled:
-                # Only under a service manager: without one to keep them over a crash nothing reads them.
-                headers = slot_headers.Headers.create(self.pool, cfg.pool.slab_size)
-            self.headers = [] if headers is None else [headers]
-            for h in self.headers:
-                h.mark_adopted()
+        kept_l2.arena_headers(self)
         # The slot headers follow L2 from its first page: handed to the tiers as they are built.
         records, on_slab = slot_headers.observers(self.headers, len(self.pool.arenas))
         self.tiers = Tiers(cfg, self.pool, None, records=records, on_slab=on_slab)
-        if headers is not None:
-            kept_l2.store_l2(self)
         self.tiers.start()
-        if kept is not None:
+        if self._kept:
             # Before the backend attaches (which queues the kept pages not in L3 yet) and before the socket
             # listens (a page is served only once verified).
-            await kept_l2.restore(self, snapshot, headers)
-        if self._kept_tenants:
-            await kept_l2.restore_tenants(self)
+            await kept_l2.restore(self)
         await self._attach_configured(startup=True)
         if self.restored is not None:
             keep.after_attach(self.tiers, self.restored)

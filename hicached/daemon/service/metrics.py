@@ -117,7 +117,7 @@ class DaemonCollector(Collector):
             ("hicached_connections", len(d.server.connections) if d.server else 0),
         ):
             yield _gauge(name, value)
-        if tiers.tenanted:  # each tenant's pool (hicached.daemon.l2.pool: an arena)
+        if tiers.cfg.tenants:  # each tenant's pool (hicached.daemon.l2.pool: an arena)
             per = {
                 key: _gauge(f"hicached_tenant_pool_{key}")
                 for key in ("capacity_bytes", "used_bytes", "pages", "unbacked_bytes")

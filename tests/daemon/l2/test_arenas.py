@@ -103,7 +103,7 @@ def store(t: Tiers, s: Session, keys: list[str], fill: int) -> list[int]:
 
 async def test_pages_live_in_their_tenants_arena(tmp_path):
     async with tenant_tiers(tmp_path) as t:
-        assert t.tenanted
+        assert [a.name for a in t.pool.arenas] == ["default", "a", "b"]
         a, b, d = session(t, "a", "a.model"), session(t, "b", "b.model"), session(t, "default", "other")
         for s in (a, b, d):
             local = store(t, s, ["k1", "k2"], 3)
@@ -176,7 +176,7 @@ async def test_without_a_default_share_the_default_tenant_gets_no_pool(tmp_path)
     )
     t = Tiers(cfg, Pool(0, prefault=False, arenas=arena_sizes({"a": 4 * MiB}, 4 * MiB, MiB)), None)
     try:
-        assert t.tenanted and t.arena("a")[1] == 4 * MiB
+        assert t.arena("a")[1] == 4 * MiB
         with pytest.raises(HicachedError, match="no share of L2"):
             t.arena("default")
         s = Session(peer="test", tenant="default")

@@ -129,3 +129,12 @@ def test_verify_tells_changed_payloads():
         KeptPage("ns.a", "b" * 64, 65536, 65536, xxhash.xxh3_64_intdigest(b"y" * 65536), True, False, False),
     ]
     assert keep.verify(memoryview(pool), pages) == [True, False]
+
+
+def test_the_default_tenants_arena_alone_is_kept_under_the_names_of_a_release_before_tenants():
+    """A pool without [tenants] is the default tenant's arena alone: kept under the bare names, which a
+    release before the one arena model stored and reads (an upgrade by restart keeps L2 both ways)."""
+    assert keep.arena_fdname(keep.POOL_FDNAME, "default", 1) == "hicached-l2"
+    assert keep.arena_fdname(keep.META_FDNAME, "default", 1) == "hicached-l2-meta"
+    assert keep.arena_fdname(keep.INDEX_FDNAME, "default", 3) == "hicached-l2-index.default"
+    assert keep.arena_fdname(keep.POOL_FDNAME, "a", 1) == "hicached-l2.a"
