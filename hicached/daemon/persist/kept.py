@@ -272,7 +272,7 @@ def keep_l2(daemon: Any) -> None:
             os.close(fd)
 
 
-def l2_snapshot(daemon: Any, arena: int = 0) -> tuple[keep.Snapshot, int]:
+def l2_snapshot(daemon: Any, arena: int) -> tuple[keep.Snapshot, int]:
     """A snapshot of one arena's index (the whole pool's, without [tenants]), and a sealed memfd holding it
     (the caller's to close); once nothing changes L2 any more (tiers stopped)."""
     conn = daemon.tiers.connector

@@ -403,8 +403,8 @@ class Daemon:
         """One line for `systemctl status` (controls.status_line)."""
         return controls.status_line(self)
 
-    def l2_snapshot(self, arena: int = 0) -> tuple[keep.Snapshot, int]:
-        """A snapshot of L2's index and a sealed memfd holding it (kept.l2_snapshot)."""
+    def l2_snapshot(self, arena: int) -> tuple[keep.Snapshot, int]:
+        """A snapshot of one arena's index and a sealed memfd holding it (kept.l2_snapshot)."""
         return kept_l2.l2_snapshot(self, arena)
 
 
