@@ -213,10 +213,10 @@ def test_two_daemons_lowering_the_bound_at_once_leave_the_low_watermark(
     left = tree_pages(root)
     print(f"800 pages, max_bytes lowered to 256 by both daemons at once: {left} left (low watermark 230)")
     assert 229 <= left <= 231, left
-    # And both estimates follow the tree: exactly once the runs' scans reach them, as they do here nearly
-    # always. Once in fresh-clone CI one daemon's estimate had not matched the tree 30 s later (cause not
-    # found yet: the figures are printed when it happens again). Not exact, it must still be within the
-    # stated tolerance (docs/fleet.md: 10% of the bound here, no writes coming), where its janitor acts right.
+    # And both estimates follow the tree: exactly once the runs' scans reach them, nearly always. Not where
+    # a run's snapshot of the ledgers and its scan straddle a put or delete (a file gone before the scan
+    # whose removal its daemon counts after the snapshot): caught once with these figures, the new
+    # connector's probe, 303 bytes low, until the next scan. It must then be within 10% of the bound.
     for d in (a, b):
         try:
             wait_for(lambda d=d: backend(d)[1]["bound"]["estimate"] == left * FILE, "the estimate")
